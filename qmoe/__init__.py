@@ -1,0 +1,39 @@
+"""qmoe: FP8 mixture-of-experts token permutation for PyTorch."""
+
+from qmoe.tensors import (
+    MXFP8,
+    Blockwise,
+    Float8BlockwiseTensor,
+    Float8Tensor,
+    MXFP8Tensor,
+    PerTensor,
+    QuantizedDispatchError,
+    QuantizedFallbackWarning,
+    QuantizedTensor,
+    dequantize,
+    passthrough_ops,
+    quantize,
+    register_passthrough,
+    strict_dispatch,
+    unregister_passthrough,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "QuantizedTensor",
+    "Float8Tensor",
+    "Float8BlockwiseTensor",
+    "MXFP8Tensor",
+    "PerTensor",
+    "Blockwise",
+    "MXFP8",
+    "quantize",
+    "dequantize",
+    "register_passthrough",
+    "unregister_passthrough",
+    "passthrough_ops",
+    "strict_dispatch",
+    "QuantizedFallbackWarning",
+    "QuantizedDispatchError",
+]

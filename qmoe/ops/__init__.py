@@ -1,0 +1,1 @@
+"""MoE permutation custom ops (qmoe::...). Built on the tensors in qmoe.tensors."""

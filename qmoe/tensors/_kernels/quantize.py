@@ -1,0 +1,119 @@
+"""Triton code for row-block FP8 quantization (launcher in ``qmoe/tensors/quantize.py``).
+
+Glossary: R rows (all leading dims flattened), H hidden (last dim), BS the scale block
+along H (32 for MX, 128 for DeepSeek blockwise), NB = ceil(H / BS) blocks per row.
+
+One program quantizes a ``[BLOCK_R, GROUPS * BS]`` tile: it reads each input element
+once, reduces each ``1 x BS`` block to its amax, derives the scale, and writes fp8 bits
+plus one scale per block. fp8 is written through ``uint8`` views so the same code runs
+under ``TRITON_INTERPRET=1`` on CPU tensors.
+"""
+
+import triton
+import triton.language as tl
+
+# SCALE_MODE values (constexpr).
+SCALE_AMAX = 0  # scale = max(amax, EPS) / FP8_MAX, fp32
+SCALE_POW2 = 1  # the same, rounded up to a power of two, fp32
+SCALE_MX_FLOOR = 2  # OCP MX v1.0: 2 ** (floor(log2(amax)) - EMAX_ELEM), e8m0 byte
+SCALE_GIVEN = 3  # per-tensor: one fp32 scale read from s_ptr, nothing written
+
+
+@triton.jit
+def fp32_to_fp8_bits(y, MB: tl.constexpr, BIAS: tl.constexpr, HW_CAST: tl.constexpr):
+    """Round fp32 ``y`` (already clamped to +-FP8_MAX, or NaN) to fp8 bits, RNE.
+
+    ``MB``/``BIAS``: mantissa bits and exponent bias (3/7 for e4m3fn, 2/15 for e5m2).
+    ``HW_CAST`` uses the hardware conversion; otherwise integer arithmetic gives the same
+    bits (the Triton interpreter's own fp8 cast truncates, so CPU runs use this).
+    """
+    if HW_CAST:
+        if MB == 3:
+            q = y.to(tl.float8e4nv)
+        else:
+            q = y.to(tl.float8e5)
+        return q.to(tl.uint8, bitcast=True)
+    else:
+        DROP: tl.constexpr = 23 - MB
+        bits = y.to(tl.int32, bitcast=True)
+        sign = (bits >> 31) & 1
+        a = bits & 0x7FFFFFFF
+        e = a >> 23
+        # Normal result: round the mantissa to MB bits (ties to even), rebias.
+        lsb = (a >> DROP) & 1
+        normal = ((a + ((1 << (DROP - 1)) - 1) + lsb) >> DROP) - ((127 - BIAS) << MB)
+        # Subnormal result: round |y| / 2**(1 - BIAS - MB) to an integer (ties to even).
+        mant = (a & 0x7FFFFF) | 0x800000
+        shift = tl.minimum(tl.maximum((150 - (BIAS - 1 + MB)) - e, 1), 31)
+        q = mant >> shift
+        rem = mant & ((1 << shift) - 1)
+        half = 1 << (shift - 1)
+        up = (rem > half) | ((rem == half) & ((q & 1) == 1))
+        sub = q + up.to(tl.int32)
+        res = tl.where(e >= 128 - BIAS, normal, sub)
+        res = tl.where(a > 0x7F800000, 0x7F, res)
+        return (res | (sign << 7)).to(tl.uint8)
+
+
+@triton.jit
+def quantize_rows_kernel(
+    x_ptr,  # (R, H) fp32 / bf16 / fp16, row stride stride_xr
+    q_ptr,  # (R, H) uint8 view of the fp8 output, contiguous
+    s_ptr,  # (R, NB) fp32 or uint8 (e8m0) block scales; () fp32 for SCALE_GIVEN
+    R,
+    H,
+    NB,
+    stride_xr,
+    FP8_MAX: tl.constexpr,
+    EMAX_ELEM: tl.constexpr,  # exponent of FP8_MAX's power of two (8 e4m3, 15 e5m2)
+    EPS: tl.constexpr,
+    SCALE_MODE: tl.constexpr,
+    MB: tl.constexpr,  # fp8 mantissa bits: 3 e4m3fn, 2 e5m2
+    BIAS: tl.constexpr,  # fp8 exponent bias: 7 e4m3fn, 15 e5m2
+    HW_CAST: tl.constexpr,
+    BS: tl.constexpr,
+    GROUPS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    pid_r = tl.program_id(0)
+    pid_g = tl.program_id(1)
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)  # (BLOCK_R,)
+    blocks = pid_g * GROUPS + tl.arange(0, GROUPS)  # (GROUPS,)
+    cols = blocks[:, None] * BS + tl.arange(0, BS)[None, :]  # (GROUPS, BS)
+    rmask = rows < R
+    mask = rmask[:, None, None] & (cols < H)[None, :, :]
+    rows64 = rows.to(tl.int64)
+    x = tl.load(x_ptr + rows64[:, None, None] * stride_xr + cols[None, :, :], mask=mask, other=0.0)
+    x = x.to(tl.float32)  # (BLOCK_R, GROUPS, BS)
+
+    if SCALE_MODE == 3:  # SCALE_GIVEN
+        scale = tl.load(s_ptr)
+        y = tl.math.div_rn(x, scale)
+    else:
+        amax = tl.max(tl.abs(x), axis=2)  # (BLOCK_R, GROUPS)
+        # max.f32 drops NaN; a block holding NaN gets a NaN amax, as torch.amax gives.
+        has_nan = tl.max((x != x).to(tl.int32), axis=2) > 0
+        nan = tl.full(amax.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
+        amax = tl.where(has_nan, nan, amax)
+        smask = rmask[:, None] & (blocks < NB)[None, :]
+        s_offs = rows64[:, None] * NB + blocks[None, :]
+        if SCALE_MODE == 2:  # SCALE_MX_FLOOR
+            # OCP MX: the block's largest power of two over the element format's.
+            exp = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+            biased = tl.minimum(tl.maximum(exp - EMAX_ELEM, -127), 128) + 127
+            biased = tl.where(amax != amax, 255, biased)
+            tl.store(s_ptr + s_offs, biased.to(tl.uint8), mask=smask)
+            scale = (biased << 23).to(tl.float32, bitcast=True)
+            scale = tl.maximum(scale, 1.1754943508222875e-38)  # 2**-126, as torchao does
+        else:
+            scale = tl.math.div_rn(tl.where(amax < EPS, EPS, amax), FP8_MAX)  # keeps NaN
+            if SCALE_MODE == 1:  # SCALE_POW2
+                sb = scale.to(tl.int32, bitcast=True)
+                sb = (sb + 0x7FFFFF) & 0x7F800000
+                scale = tl.where(scale != scale, scale, sb.to(tl.float32, bitcast=True))
+            tl.store(s_ptr + s_offs, scale, mask=smask)
+        y = tl.math.div_rn(x, scale[:, :, None])
+
+    y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX))
+    q = fp32_to_fp8_bits(y, MB, BIAS, HW_CAST)
+    tl.store(q_ptr + rows64[:, None, None] * H + cols[None, :, :], q, mask=mask)

@@ -1,0 +1,326 @@
+"""The ``QuantizedTensor`` base: fields, flatten/unflatten, op table, passthrough registry.
+
+Dispatch rules, in order, for an aten or custom op that reaches ``__torch_dispatch__``
+with a quantized argument:
+
+1. **Op table.** ``Cls.implements(op)`` registers a per-class implementation (looked up
+   along the MRO, so ops registered on ``QuantizedTensor`` serve every subclass).
+   These keep ``qdata`` and ``scale`` consistent (row slicing, cat, view, ...).
+2. **Passthrough registry.** ``register_passthrough(op, impl)`` registers an op that
+   receives the quantized tensors intact: ``impl(func, args, kwargs)`` moves raw
+   ``qdata``/``scale`` (usually through :meth:`QuantizedTensor.map_rows`) and rewraps.
+   qmoe's permutation ops register here; so can any library's ops.
+3. **Fallback.** Anything else dequantizes every quantized argument to its original
+   dtype and runs in high precision, with a :class:`QuantizedFallbackWarning` naming the
+   op (once per op, through Python's ``warnings`` registry). Inside
+   :func:`strict_dispatch` the fallback raises instead.
+
+There is no module-level mutable state here beyond the passthrough registry itself:
+strict mode lives in a ``ContextVar`` (per thread / task), and warnings are
+de-duplicated by the standard ``warnings`` machinery.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any, ClassVar
+
+import torch
+from torch.utils._pytree import tree_map
+
+aten = torch.ops.aten
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+OpImpl = Callable[..., Any]
+
+
+class QuantizedFallbackWarning(UserWarning):
+    """An op had no quantized implementation and ran on dequantized inputs."""
+
+
+class QuantizedDispatchError(NotImplementedError):
+    """Raised in strict mode when an op would fall back to dequantization."""
+
+
+_STRICT: contextvars.ContextVar[bool] = contextvars.ContextVar("qmoe_strict_dispatch", default=False)
+
+# op -> impl(func, args, kwargs). The one registry this module keeps (see module docs).
+_PASSTHROUGH: dict[Any, OpImpl] = {}
+
+
+@contextlib.contextmanager
+def strict_dispatch(enabled: bool = True) -> Iterator[None]:
+    """Within this context an op that would dequantize-and-fall-back raises instead.
+
+    Raises :class:`QuantizedDispatchError` (a ``NotImplementedError``) naming the op.
+    The setting is per thread / asyncio task (a ``ContextVar``).
+    """
+    token = _STRICT.set(enabled)
+    try:
+        yield
+    finally:
+        _STRICT.reset(token)
+
+
+def _op_key(op: Any) -> Any:
+    """Registry key: an ``OpOverload`` as is; a packet (``torch.ops.ns.op``) by its default."""
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        return op.default
+    if not isinstance(op, torch._ops.OpOverload):
+        raise TypeError(
+            f"register_passthrough: op must be a torch OpOverload such as "
+            f"torch.ops.mylib.myop.default, got {type(op).__name__}"
+        )
+    return op
+
+
+def register_passthrough(op: Any, impl: OpImpl | None = None):
+    """Register ``op`` so that it receives quantized tensors intact.
+
+    ``impl(func, args, kwargs)`` is called from ``__torch_dispatch__`` with the original
+    arguments, quantized tensors included. It should move ``qdata`` and ``scale`` with
+    ordinary ops on plain tensors (see :meth:`QuantizedTensor.map_rows`) and return
+    rewrapped outputs. Because it only calls ops on the inner tensors it traces under
+    ``torch.compile``. Usable as a decorator::
+
+        @register_passthrough(torch.ops.mylib.gather_rows.default)
+        def _(func, args, kwargs):
+            x, index = args
+            return x.map_rows(lambda t: func(t, index))
+
+    Registering a second, different ``impl`` for the same op raises ``ValueError``;
+    call :func:`unregister_passthrough` first.
+    """
+    key = _op_key(op)
+
+    def deco(fn: OpImpl) -> OpImpl:
+        if not callable(fn):
+            raise TypeError("register_passthrough: impl must be callable(func, args, kwargs)")
+        old = _PASSTHROUGH.get(key)
+        if old is not None and old is not fn:
+            raise ValueError(
+                f"register_passthrough: {key} already has a passthrough impl ({old!r}); "
+                "call unregister_passthrough(op) first"
+            )
+        _PASSTHROUGH[key] = fn
+        return fn
+
+    return deco if impl is None else deco(impl)
+
+
+def unregister_passthrough(op: Any) -> None:
+    """Remove ``op`` from the passthrough registry (no error if absent)."""
+    _PASSTHROUGH.pop(_op_key(op), None)
+
+
+def passthrough_ops() -> tuple[Any, ...]:
+    """The ops currently registered as passthrough, sorted by name."""
+    return tuple(sorted(_PASSTHROUGH, key=str))
+
+
+def _dequantize_arg(x: Any) -> Any:
+    return x._dequantize_raw() if isinstance(x, QuantizedTensor) else x
+
+
+class QuantizedTensor(torch.Tensor):
+    """Base of qmoe's FP8 tensor subclasses (a wrapper subclass: it owns no storage).
+
+    A subclass declares its fields:
+
+    * ``tensor_data_names``: inner tensors, ``("qdata", "scale")``. ``qdata`` is
+      ``[..., H]`` fp8; ``scale`` is ``[]`` (per-tensor) or ``[..., ceil(H / block_size)]``.
+    * ``tensor_attribute_names``: hashable constructor attributes (``orig_dtype``, ...).
+    * ``block_size``: ``None`` for a per-tensor scale, else the 1 x ``block_size`` block
+      along the last dim (a class constant or an instance attribute).
+
+    The wrapper reports ``shape == qdata.shape`` and ``dtype == orig_dtype`` (the
+    high-precision dtype it stands for), so autograd sees gradients in that dtype.
+    """
+
+    tensor_data_names: ClassVar[tuple[str, ...]] = ("qdata", "scale")
+    tensor_attribute_names: ClassVar[tuple[str, ...]] = ("orig_dtype",)
+    block_size: int | None = None
+    qdata: torch.Tensor
+    scale: torch.Tensor
+    orig_dtype: torch.dtype
+
+    _op_table: ClassVar[dict[Any, OpImpl]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._op_table = {}
+
+    @staticmethod
+    def __new__(cls, qdata: torch.Tensor, scale: torch.Tensor, *attrs: Any, requires_grad=False):
+        if cls is QuantizedTensor:
+            raise TypeError("QuantizedTensor is abstract; use Float8Tensor and friends")
+        if len(attrs) != len(cls.tensor_attribute_names):
+            raise TypeError(
+                f"{cls.__name__}(qdata, scale, {', '.join(cls.tensor_attribute_names)}) "
+                f"takes {len(cls.tensor_attribute_names)} attributes, got {len(attrs)}"
+            )
+        self = torch.Tensor._make_wrapper_subclass(
+            cls,
+            qdata.shape,
+            dtype=attrs[0],
+            device=qdata.device,
+            requires_grad=requires_grad,
+        )
+        self.qdata = qdata
+        self.scale = scale
+        for name, value in zip(cls.tensor_attribute_names, attrs):
+            setattr(self, name, value)
+        self._check_layout()
+        return self
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # fields are set in __new__
+        super().__init__()
+
+    # ------------------------------------------------------------------ layout
+    @classmethod
+    def expected_scale_shape(cls, shape: torch.Size, block_size: int | None) -> tuple[int, ...]:
+        if block_size is None:
+            return ()
+        return (*shape[:-1], -(-shape[-1] // block_size))
+
+    scale_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32,)
+
+    def _check_layout(self) -> None:
+        name = type(self).__name__
+        q, s = self.qdata, self.scale
+        if q.dtype not in FP8_DTYPES:
+            raise TypeError(f"{name}: qdata must be float8_e4m3fn or float8_e5m2, got {q.dtype}")
+        if q.dim() == 0:
+            raise ValueError(f"{name}: qdata must have at least one dim [..., H], got a scalar")
+        if s.dtype not in self.scale_dtypes:
+            raise TypeError(f"{name}: scale must be {self.scale_dtypes[0]}, got {s.dtype}")
+        if self.orig_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise TypeError(
+                f"{name}: orig_dtype must be float32, bfloat16 or float16, got {self.orig_dtype}"
+            )
+        if s.device != q.device:
+            raise ValueError(f"{name}: scale is on {s.device} but qdata is on {q.device}")
+        want = self.expected_scale_shape(q.shape, self.block_size)
+        if tuple(s.shape) != want:
+            raise ValueError(
+                f"{name}: scale shape {tuple(s.shape)} does not match qdata shape "
+                f"{tuple(q.shape)}; expected {want}"
+            )
+
+    @property
+    def fp8_dtype(self) -> torch.dtype:
+        return self.qdata.dtype
+
+    def _attrs(self) -> tuple[Any, ...]:
+        return tuple(getattr(self, n) for n in self.tensor_attribute_names)
+
+    def same_layout(self, other: Any) -> bool:
+        """True when ``other`` is the same class, fp8 dtype and attributes (same recipe)."""
+        return (
+            type(other) is type(self)
+            and other.fp8_dtype == self.fp8_dtype
+            and other._attrs() == self._attrs()
+        )
+
+    def _rewrap(self, qdata: torch.Tensor, scale: torch.Tensor) -> QuantizedTensor:
+        return type(self)(qdata, scale, *self._attrs())
+
+    def map_rows(
+        self, fn: Callable[[torch.Tensor], torch.Tensor], scale_fn: Callable | None = None
+    ) -> QuantizedTensor:
+        """Apply a leading-dims transform to ``qdata`` and to block scales; rewrap.
+
+        ``fn`` must leave the last dim alone (gather/permute/slice rows, view leading
+        dims). It is applied to ``qdata`` ``[..., H]`` and, for block scales, to
+        ``scale`` ``[..., ceil(H / block)]``; a per-tensor scale carries over unchanged.
+        ``scale_fn`` overrides the transform used for the scale.
+        """
+        scale = self.scale if self.block_size is None else (scale_fn or fn)(self.scale)
+        return self._rewrap(fn(self.qdata), scale)
+
+    # ---------------------------------------------------------- (de)quantize
+    def _scale_full(self) -> torch.Tensor:
+        """fp32 scale broadcastable against ``qdata`` (block scales expanded)."""
+        s = self.scale.float()
+        if self.block_size is None:
+            return s
+        h = self.qdata.shape[-1]
+        return s.repeat_interleave(self.block_size, dim=-1)[..., :h]
+
+    def _dequantize_raw(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        out = self.qdata.float() * self._scale_full()
+        return out.to(dtype or self.orig_dtype)
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``qdata.float() * scale`` (block scales broadcast), in ``orig_dtype`` or ``dtype``.
+
+        Differentiable: the gradient passes straight through to this tensor.
+        """
+        from qmoe.tensors.quantize import _Dequantize
+
+        return _Dequantize.apply(self, dtype)
+
+    # ------------------------------------------------------- tracing support
+    def __tensor_flatten__(self) -> tuple[list[str], tuple[Any, ...]]:
+        return list(self.tensor_data_names), self._attrs()
+
+    @classmethod
+    def __tensor_unflatten__(cls, inner_tensors, attrs, outer_size, outer_stride):
+        return cls(*(inner_tensors[n] for n in cls.tensor_data_names), *attrs)
+
+    def __repr__(self) -> str:  # no tensor_contents: printing must not dequantize
+        attrs = ", ".join(f"{n}={getattr(self, n)}" for n in self.tensor_attribute_names)
+        return (
+            f"{type(self).__name__}(shape={tuple(self.shape)}, fp8_dtype={self.fp8_dtype}, "
+            f"{attrs}, device={self.device},\n  qdata={self.qdata!r},\n  scale={self.scale!r})"
+        )
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    # ------------------------------------------------------------- dispatch
+    @classmethod
+    def implements(cls, ops: Any) -> Callable[[OpImpl], OpImpl]:
+        """Decorator: register ``impl(func, types, args, kwargs)`` for ``ops`` on ``cls``."""
+        ops = ops if isinstance(ops, (list, tuple)) else [ops]
+
+        def deco(fn: OpImpl) -> OpImpl:
+            for op in ops:
+                cls._op_table[op] = fn
+            return fn
+
+        return deco
+
+    @classmethod
+    def _lookup(cls, func: Any) -> OpImpl | None:
+        for klass in cls.__mro__:
+            table = klass.__dict__.get("_op_table")
+            if table is not None and func in table:
+                return table[func]
+        return None
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        impl = cls._lookup(func)
+        if impl is not None:
+            return impl(func, types, args, kwargs)
+        impl = _PASSTHROUGH.get(func)
+        if impl is not None:
+            return impl(func, args, kwargs)
+        if _STRICT.get():
+            raise QuantizedDispatchError(
+                f"{func} has no quantized implementation for {cls.__name__} and strict "
+                "dispatch is on; dequantize explicitly, or register the op with "
+                "qmoe.register_passthrough"
+            )
+        warnings.warn(
+            f"{func} has no quantized implementation for {cls.__name__}; running it on "
+            "dequantized inputs in high precision (use qmoe.strict_dispatch() to raise)",
+            QuantizedFallbackWarning,
+            stacklevel=2,
+        )
+        return func(*tree_map(_dequantize_arg, args), **tree_map(_dequantize_arg, kwargs))

@@ -1,0 +1,268 @@
+"""``quantize``: high-precision tensor -> FP8 subclass, as custom ops with a Triton path.
+
+Two custom ops do the work; ``quantize`` wraps them in an autograd function whose
+backward is straight-through (the gradient reaches ``x`` unchanged, in its dtype):
+
+* ``qmoe::quantize_blocks(x, block_size, fp8_dtype, scale_mode) -> (qdata, scale)``:
+  ``x`` ``[..., H]`` -> ``qdata`` ``[..., H]`` fp8 and ``scale`` ``[..., ceil(H/bs)]``
+  (fp32, or e8m0 for ``scale_mode="mx_floor"``). One pass over ``x`` on CUDA.
+* ``qmoe::quantize_with_scale(x, scale, fp8_dtype) -> qdata``: per-tensor, given a
+  ``[]`` fp32 scale. The dynamic per-tensor recipe computes that scale first from
+  ``x.abs().amax()`` (a device reduction, no host sync).
+
+On CPU both run the torch reference below; on CUDA the Triton kernel in
+``qmoe/tensors/_kernels/quantize.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from qmoe.tensors.base import QuantizedTensor
+from qmoe.tensors.recipes import MXFP8, Blockwise, PerTensor, Recipe, fp8_max
+from qmoe.tensors.types import Float8BlockwiseTensor, Float8Tensor, MXFP8Tensor
+
+__all__ = ["quantize", "dequantize", "quantize_reference", "quantize_rows_triton"]
+
+EPS = 1e-12  # smallest amax used for a scale, so all-zero blocks get a finite scale
+SCALE_MODES = {"amax": 0, "pow2": 1, "mx_floor": 2}
+_HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_F32_MIN_NORMAL = 2.0**-126
+
+
+def _emax_elem(fp8_dtype: torch.dtype) -> int:
+    return 8 if fp8_dtype == torch.float8_e4m3fn else 15
+
+
+def _pow2_ceil(s: torch.Tensor) -> torch.Tensor:
+    """Round positive fp32 ``s`` up to a power of two, exactly (bit arithmetic)."""
+    bits = (s.view(torch.int32) + 0x7FFFFF) & 0x7F800000
+    return torch.where(s.isnan(), s, bits.view(torch.float32))
+
+
+def _num_blocks(h: int, block_size: int) -> int:
+    return -(-h // block_size)
+
+
+# --------------------------------------------------------------------- reference
+def _saturate_cast(y: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    m = fp8_max(fp8_dtype)
+    return y.clamp(-m, m).to(fp8_dtype)  # clamp keeps NaN
+
+
+def _reference_blocks(x, block_size, fp8_dtype, scale_mode):
+    h = x.shape[-1]
+    nb = _num_blocks(h, block_size)
+    xf = x.float()
+    pad = nb * block_size - h
+    if pad:
+        xf = torch.nn.functional.pad(xf, (0, pad))
+    xb = xf.reshape(*x.shape[:-1], nb, block_size)
+    amax = xb.abs().amax(-1) if xb.numel() else xb.new_zeros(xb.shape[:-1])
+    if scale_mode == "mx_floor":
+        exp = ((amax.view(torch.int32) >> 23) & 0xFF) - 127
+        biased = (exp - _emax_elem(fp8_dtype)).clamp(-127, 128) + 127
+        biased = torch.where(amax.isnan(), 255, biased)
+        scale_out = biased.to(torch.uint8).view(torch.float8_e8m0fnu)
+        divisor = (biased << 23).view(torch.float32).clamp(min=_F32_MIN_NORMAL)
+    else:
+        divisor = amax.clamp(min=EPS) / fp8_max(fp8_dtype)
+        if scale_mode == "pow2":
+            divisor = _pow2_ceil(divisor)
+        scale_out = divisor
+    q = _saturate_cast(xb / divisor.unsqueeze(-1), fp8_dtype)
+    q = q.reshape(*x.shape[:-1], nb * block_size)[..., :h]
+    return q.contiguous(), scale_out
+
+
+def per_tensor_scale(x: torch.Tensor, recipe: PerTensor) -> torch.Tensor:
+    """The dynamic per-tensor scale ``max(amax, EPS) / fp8_max`` as a ``[]`` fp32 tensor."""
+    amax = x.abs().amax().float() if x.numel() else x.new_zeros((), dtype=torch.float32)
+    s = amax.clamp(min=EPS) / fp8_max(recipe.fp8_dtype)
+    return _pow2_ceil(s) if recipe.power_of_two_scale else s
+
+
+def quantize_reference(x: torch.Tensor, recipe: Recipe, scale: torch.Tensor | None = None):
+    """Pure-torch reference of :func:`quantize`: returns ``(qdata, scale)`` plain tensors."""
+    if isinstance(recipe, PerTensor):
+        s = per_tensor_scale(x, recipe) if scale is None else scale.float()
+        return _saturate_cast(x.float() / s, recipe.fp8_dtype), s
+    return _reference_blocks(x, recipe.block_size, recipe.fp8_dtype, _scale_mode(recipe))
+
+
+# ------------------------------------------------------------------------ triton
+def quantize_rows_triton(
+    x: torch.Tensor,
+    block_size: int,
+    fp8_dtype: torch.dtype,
+    scale_mode: str,
+    scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the Triton kernel on ``x`` ``[..., H]`` (CUDA, or CPU under TRITON_INTERPRET=1).
+
+    ``scale_mode`` is ``"amax"``, ``"pow2"``, ``"mx_floor"`` or ``"given"`` (per-tensor,
+    ``scale`` a ``[]`` fp32 tensor; ``block_size`` is then only the tile width).
+    Returns ``(qdata, scale)``. No host sync.
+    """
+    from qmoe.tensors._kernels.quantize import quantize_rows_kernel
+
+    h = x.shape[-1]
+    x2 = x.reshape(-1, h)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    r = x2.shape[0]
+    nb = _num_blocks(h, block_size)
+    q = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
+    if scale_mode == "given":
+        s_out = scale
+        mode = 3
+    else:
+        sdt = torch.float8_e8m0fnu if scale_mode == "mx_floor" else torch.float32
+        s_out = torch.empty((*x.shape[:-1], nb), dtype=sdt, device=x.device)
+        mode = SCALE_MODES[scale_mode]
+    if q.numel() == 0:
+        return q, s_out
+    groups = max(1, min(512 // block_size, triton.next_power_of_2(nb)))
+    block_r = max(1, 4096 // (groups * block_size))
+    grid = (triton.cdiv(r, block_r), triton.cdiv(nb, groups))
+    e4m3 = fp8_dtype == torch.float8_e4m3fn
+    quantize_rows_kernel[grid](
+        x2,
+        q.view(torch.uint8),
+        s_out.view(torch.uint8) if s_out.dtype == torch.float8_e8m0fnu else s_out,
+        r,
+        h,
+        nb,
+        x2.stride(0),
+        FP8_MAX=fp8_max(fp8_dtype),
+        EMAX_ELEM=_emax_elem(fp8_dtype),
+        EPS=EPS,
+        SCALE_MODE=mode,
+        MB=3 if e4m3 else 2,
+        BIAS=7 if e4m3 else 15,
+        HW_CAST=x.is_cuda,
+        BS=block_size,
+        GROUPS=groups,
+        BLOCK_R=block_r,
+        num_warps=4,
+    )
+    return q, s_out
+
+
+# -------------------------------------------------------------------- custom ops
+@torch.library.custom_op("qmoe::quantize_blocks", mutates_args=())
+def _quantize_blocks(
+    x: torch.Tensor, block_size: int, fp8_dtype: torch.dtype, scale_mode: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if x.is_cuda:
+        return quantize_rows_triton(x, block_size, fp8_dtype, scale_mode)
+    return _reference_blocks(x, block_size, fp8_dtype, scale_mode)
+
+
+@_quantize_blocks.register_fake
+def _(x, block_size, fp8_dtype, scale_mode):
+    sdt = torch.float8_e8m0fnu if scale_mode == "mx_floor" else torch.float32
+    nb = _num_blocks(x.shape[-1], block_size)
+    return (
+        torch.empty(x.shape, dtype=fp8_dtype, device=x.device),
+        x.new_empty((*x.shape[:-1], nb), dtype=sdt),
+    )
+
+
+@torch.library.custom_op("qmoe::quantize_with_scale", mutates_args=())
+def _quantize_with_scale(
+    x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype
+) -> torch.Tensor:
+    if x.is_cuda:
+        return quantize_rows_triton(x, 512, fp8_dtype, "given", scale.float())[0]
+    return _saturate_cast(x.float() / scale.float(), fp8_dtype)
+
+
+@_quantize_with_scale.register_fake
+def _(x, scale, fp8_dtype):
+    return torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
+
+
+def _scale_mode(recipe: Recipe) -> str:
+    if isinstance(recipe, MXFP8):
+        return "mx_floor"
+    return "pow2" if recipe.power_of_two_scale else "amax"
+
+
+# ---------------------------------------------------------------------- autograd
+class _Quantize(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, recipe, scale):
+        if isinstance(recipe, PerTensor):
+            s = per_tensor_scale(x, recipe) if scale is None else scale.float().reshape(())
+            q = torch.ops.qmoe.quantize_with_scale(x, s, recipe.fp8_dtype)
+            return Float8Tensor(q, s, x.dtype)
+        q, s = torch.ops.qmoe.quantize_blocks(
+            x, recipe.block_size, recipe.fp8_dtype, _scale_mode(recipe)
+        )
+        if isinstance(recipe, MXFP8):
+            return MXFP8Tensor(q, s, x.dtype)
+        return Float8BlockwiseTensor(q, s, x.dtype, recipe.block_size)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _plain(grad), None, None
+
+
+class _Dequantize(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, dtype):
+        ctx.orig_dtype = q.dtype
+        return q._dequantize_raw(dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _plain(grad).to(ctx.orig_dtype), None
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    return t._dequantize_raw() if isinstance(t, QuantizedTensor) else t
+
+
+def quantize(
+    x: torch.Tensor, recipe: Recipe, *, scale: torch.Tensor | None = None
+) -> Float8Tensor | Float8BlockwiseTensor | MXFP8Tensor:
+    """Quantize ``x`` ``[..., H]`` (fp32 / bf16 / fp16) with ``recipe``.
+
+    Returns a :class:`Float8Tensor` (``PerTensor``), :class:`Float8BlockwiseTensor`
+    (``Blockwise``) or :class:`MXFP8Tensor` (``MXFP8``) whose ``orig_dtype`` is
+    ``x.dtype``. ``scale`` (``PerTensor`` only): a caller-given ``[]`` scale, e.g. from
+    delayed scaling, which skips the amax pass. No host sync. Differentiable: the
+    backward passes the gradient straight through to ``x``.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"quantize: x must be a torch.Tensor, got {type(x).__name__}")
+
+    if isinstance(x, QuantizedTensor):
+        raise TypeError("quantize: x is already quantized; dequantize() it first")
+    if x.dtype not in _HP_DTYPES:
+        raise TypeError(f"quantize: x must be float32, bfloat16 or float16, got {x.dtype}")
+    if x.dim() == 0:
+        raise ValueError("quantize: x must have at least one dim [..., H], got a scalar")
+    if not isinstance(recipe, (PerTensor, Blockwise, MXFP8)):
+        raise TypeError(
+            "quantize: recipe must be qmoe.PerTensor(), qmoe.Blockwise() or qmoe.MXFP8(), "
+            f"got {recipe!r}"
+        )
+    if scale is not None:
+        if not isinstance(recipe, PerTensor):
+            raise ValueError("quantize: scale= is only accepted with the PerTensor recipe")
+        if not isinstance(scale, torch.Tensor) or scale.numel() != 1:
+            raise ValueError("quantize: scale must be a one-element tensor")
+        if scale.device != x.device:
+            raise ValueError(f"quantize: scale is on {scale.device} but x is on {x.device}")
+    return _Quantize.apply(x, recipe, scale)
+
+
+def dequantize(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``t.dequantize(dtype)`` for qmoe tensors; plain tensors pass through (cast if asked)."""
+
+    if isinstance(t, QuantizedTensor):
+        return t.dequantize(dtype)
+    return t if dtype is None else t.to(dtype)

@@ -1,0 +1,88 @@
+"""Quantization recipes: frozen, hashable descriptions of an FP8 layout."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["PerTensor", "Blockwise", "MXFP8", "Recipe", "fp8_max"]
+
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def fp8_max(fp8_dtype: torch.dtype) -> float:
+    """Largest finite value of ``fp8_dtype`` (448 for e4m3fn, 57344 for e5m2)."""
+    return float(torch.finfo(fp8_dtype).max)
+
+
+def _check_fp8(recipe: str, fp8_dtype: torch.dtype) -> None:
+    if fp8_dtype not in _FP8:
+        raise TypeError(
+            f"{recipe}: fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, "
+            f"got {fp8_dtype!r}"
+        )
+
+
+@dataclass(frozen=True)
+class PerTensor:
+    """One fp32 scale for the whole tensor: ``scale = max(amax, 1e-12) / fp8_max``.
+
+    ``power_of_two_scale`` rounds the scale up to a power of two (exact rescaling).
+    A caller-given scale (``quantize(x, recipe, scale=s)``) skips the amax pass.
+    """
+
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn
+    power_of_two_scale: bool = False
+
+    def __post_init__(self) -> None:
+        _check_fp8("PerTensor", self.fp8_dtype)
+
+
+@dataclass(frozen=True)
+class Blockwise:
+    """One fp32 scale per ``1 x block_size`` block of the last dim (DeepSeek-V3: 128).
+
+    ``scale = max(amax_block, 1e-12) / fp8_max``, optionally rounded up to a power of two.
+    """
+
+    block_size: int = 128
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn
+    power_of_two_scale: bool = False
+
+    def __post_init__(self) -> None:
+        _check_fp8("Blockwise", self.fp8_dtype)
+        bs = self.block_size
+        if not isinstance(bs, int) or bs < 16 or bs > 1024 or bs & (bs - 1):
+            raise ValueError(
+                f"Blockwise: block_size must be a power of two in [16, 1024], got {bs!r}"
+            )
+
+
+@dataclass(frozen=True)
+class MXFP8:
+    """OCP MX v1.0 FP8: one e8m0 scale per 1 x 32 block.
+
+    ``scale_rounding="floor"`` is the spec's rule, ``X = 2 ** (floor(log2(amax)) -
+    emax_elem)`` with ``emax_elem`` 8 (e4m3) or 15 (e5m2), the exponent clamped to the
+    e8m0 range and NaN blocks given the NaN scale 255. Elements are ``x / X`` saturated
+    to +-fp8_max and rounded to nearest even. This matches torchao's
+    ``MXTensor.to_mx(..., scaling_mode=ScaleCalculationMode.FLOOR)`` bit for bit,
+    including its use of ``max(X, 2**-126)`` as the divisor for all-zero blocks.
+    """
+
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn
+    scale_rounding: str = "floor"
+
+    block_size = 32
+
+    def __post_init__(self) -> None:
+        _check_fp8("MXFP8", self.fp8_dtype)
+        if self.scale_rounding != "floor":
+            raise ValueError(
+                f"MXFP8: scale_rounding must be 'floor' (OCP MX v1.0), got "
+                f"{self.scale_rounding!r}"
+            )
+
+
+Recipe = PerTensor | Blockwise | MXFP8
