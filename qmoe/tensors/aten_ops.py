@@ -65,7 +65,7 @@ def _to_copy(func, types, args, kwargs):
         # A dtype cast leaves the quantized world.
         return x._dequantize_raw(dtype).to(device=device, non_blocking=non_blocking)
     mv = lambda t: t.to(device=device, non_blocking=non_blocking, copy=True)
-    return x._rewrap(mv(x.qdata), mv(x.scale))
+    return x._rewrap(mv(x.qdata), mv(x.raw_scale))
 
 
 @implements(aten.is_pinned.default)
@@ -85,8 +85,8 @@ def _view(func, types, args, kwargs):
         )
     if qdata.dim() == 0:
         raise ValueError("view/reshape: a quantized tensor needs at least one dim")
-    return x._rewrap(qdata, x.scale if x.block_size is None else x.scale.reshape(
-        *qdata.shape[:-1], x.scale.shape[-1]))
+    return x._rewrap(qdata, x.raw_scale if x.block_size is None else x.raw_scale.reshape(
+        *qdata.shape[:-1], x.raw_scale.shape[-1]))
 
 
 def _slice_args(x, dim=0, start=None, end=None, step=1):
@@ -109,7 +109,7 @@ def _slice(func, types, args, kwargs):
             f"through its 1x{bs} scale blocks; bounds must be multiples of {bs} (or H) "
             "with step 1"
         )
-    return x._rewrap(x.qdata[..., lo:hi], x.scale[..., lo // bs : -(-hi // bs)])
+    return x._rewrap(x.qdata[..., lo:hi], x.raw_scale[..., lo // bs : -(-hi // bs)])
 
 
 @implements(aten.select.int)
@@ -132,7 +132,7 @@ def _split(func, types, args, kwargs):
     dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
     d = _leading_dim(x, dim, "split")
     qs = func(x.qdata, sizes, d)
-    ss = func(x.scale, sizes, d) if x.block_size is not None else [x.scale] * len(qs)
+    ss = func(x.raw_scale, sizes, d) if x.block_size is not None else [x.raw_scale] * len(qs)
     return [x._rewrap(q, s) for q, s in zip(qs, ss)]
 
 
@@ -176,9 +176,9 @@ def _common_scale_qdata(tensors) -> tuple[list[torch.Tensor], torch.Tensor]:
     Bit-exact when all scales are equal (the factor is exactly 1); otherwise each
     element is rescaled by ``s_i / s_max <= 1`` and rounded once to fp8. No host sync.
     """
-    scale = torch.stack([t.scale for t in tensors]).amax()
+    scale = torch.stack([t.raw_scale for t in tensors]).amax()
     fp8 = tensors[0].fp8_dtype
-    qs = [(t.qdata.float() * (t.scale / scale)).to(fp8) for t in tensors]
+    qs = [(t.qdata.float() * (t.raw_scale / scale)).to(fp8) for t in tensors]
     return qs, scale
 
 
@@ -192,7 +192,7 @@ def _cat(func, types, args, kwargs):
         qs, scale = _common_scale_qdata(tensors)
         return first._rewrap(torch.cat(qs, d), scale)
     return first._rewrap(
-        torch.cat([t.qdata for t in tensors], d), torch.cat([t.scale for t in tensors], d)
+        torch.cat([t.qdata for t in tensors], d), torch.cat([t.raw_scale for t in tensors], d)
     )
 
 
@@ -208,7 +208,7 @@ def _stack(func, types, args, kwargs):
         qs, scale = _common_scale_qdata(tensors)
         return first._rewrap(torch.stack(qs, d), scale)
     return first._rewrap(
-        torch.stack([t.qdata for t in tensors], d), torch.stack([t.scale for t in tensors], d)
+        torch.stack([t.qdata for t in tensors], d), torch.stack([t.raw_scale for t in tensors], d)
     )
 
 
@@ -221,7 +221,7 @@ def _empty_like(func, types, args, kwargs):
         return torch.empty(x.shape, dtype=dtype, device=kwargs.get("device") or x.device)
     device = kwargs.pop("device", None)
     return x._rewrap(
-        torch.empty_like(x.qdata, device=device), torch.empty_like(x.scale, device=device)
+        torch.empty_like(x.qdata, device=device), torch.empty_like(x.raw_scale, device=device)
     )
 
 
@@ -239,5 +239,5 @@ def _copy_(func, types, args, kwargs):
     if dst.shape != src.shape:
         raise ValueError(f"copy_: shapes differ: {tuple(dst.shape)} vs {tuple(src.shape)}")
     dst.qdata.copy_(src.qdata)
-    dst.scale.copy_(src.scale)
+    dst.raw_scale.copy_(src.raw_scale)
     return dst

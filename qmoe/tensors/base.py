@@ -171,7 +171,7 @@ class QuantizedTensor(torch.Tensor):
             requires_grad=requires_grad,
         )
         self.qdata = qdata
-        self.scale = scale
+        setattr(self, cls.tensor_data_names[1], cls._store_scale(scale))
         for name, value in zip(cls.tensor_attribute_names, attrs):
             setattr(self, name, value)
         self._check_layout()
@@ -189,9 +189,19 @@ class QuantizedTensor(torch.Tensor):
 
     scale_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32,)
 
+    @classmethod
+    def _store_scale(cls, scale: torch.Tensor) -> torch.Tensor:
+        """The scale as the class stores it (MX keeps e8m0 bits as uint8)."""
+        return scale
+
+    @property
+    def raw_scale(self) -> torch.Tensor:
+        """The scale tensor as stored and moved by ops (``scale`` except for MX: uint8 bits)."""
+        return getattr(self, self.tensor_data_names[1])
+
     def _check_layout(self) -> None:
         name = type(self).__name__
-        q, s = self.qdata, self.scale
+        q, s = self.qdata, self.raw_scale
         if q.dtype not in FP8_DTYPES:
             raise TypeError(f"{name}: qdata must be float8_e4m3fn or float8_e5m2, got {q.dtype}")
         if q.dim() == 0:
@@ -226,8 +236,8 @@ class QuantizedTensor(torch.Tensor):
             and other._attrs() == self._attrs()
         )
 
-    def _rewrap(self, qdata: torch.Tensor, scale: torch.Tensor) -> QuantizedTensor:
-        return type(self)(qdata, scale, *self._attrs())
+    def _rewrap(self, qdata: torch.Tensor, raw_scale: torch.Tensor) -> QuantizedTensor:
+        return type(self)(qdata, raw_scale, *self._attrs())
 
     def map_rows(
         self, fn: Callable[[torch.Tensor], torch.Tensor], scale_fn: Callable | None = None
@@ -239,13 +249,17 @@ class QuantizedTensor(torch.Tensor):
         ``scale`` ``[..., ceil(H / block)]``; a per-tensor scale carries over unchanged.
         ``scale_fn`` overrides the transform used for the scale.
         """
-        scale = self.scale if self.block_size is None else (scale_fn or fn)(self.scale)
-        return self._rewrap(fn(self.qdata), scale)
+        s = self.raw_scale
+        return self._rewrap(fn(self.qdata), s if self.block_size is None else (scale_fn or fn)(s))
 
     # ---------------------------------------------------------- (de)quantize
+    def scale_fp32(self) -> torch.Tensor:
+        """The scale as fp32 values (same shape as ``scale``)."""
+        return self.raw_scale.float()
+
     def _scale_full(self) -> torch.Tensor:
         """fp32 scale broadcastable against ``qdata`` (block scales expanded)."""
-        s = self.scale.float()
+        s = self.scale_fp32()
         if self.block_size is None:
             return s
         h = self.qdata.shape[-1]

@@ -5,7 +5,8 @@ backward is straight-through (the gradient reaches ``x`` unchanged, in its dtype
 
 * ``qmoe::quantize_blocks(x, block_size, fp8_dtype, scale_mode) -> (qdata, scale)``:
   ``x`` ``[..., H]`` -> ``qdata`` ``[..., H]`` fp8 and ``scale`` ``[..., ceil(H/bs)]``
-  (fp32, or e8m0 for ``scale_mode="mx_floor"``). One pass over ``x`` on CUDA.
+  (fp32, or e8m0 bits as ``uint8`` for ``scale_mode="mx_floor"``: Inductor's CPU
+  backend cannot copy e8m0 tensors, so graphs carry the bits). One pass over ``x`` on CUDA.
 * ``qmoe::quantize_with_scale(x, scale, fp8_dtype) -> qdata``: per-tensor, given a
   ``[]`` fp32 scale. The dynamic per-tensor recipe computes that scale first from
   ``x.abs().amax()`` (a device reduction, no host sync).
@@ -64,7 +65,7 @@ def _reference_blocks(x, block_size, fp8_dtype, scale_mode):
         exp = ((amax.view(torch.int32) >> 23) & 0xFF) - 127
         biased = (exp - _emax_elem(fp8_dtype)).clamp(-127, 128) + 127
         biased = torch.where(amax.isnan(), 255, biased)
-        scale_out = biased.to(torch.uint8).view(torch.float8_e8m0fnu)
+        scale_out = biased.to(torch.uint8)  # e8m0 bits
         divisor = (biased << 23).view(torch.float32).clamp(min=_F32_MIN_NORMAL)
     else:
         divisor = amax.clamp(min=EPS) / fp8_max(fp8_dtype)
@@ -88,7 +89,8 @@ def quantize_reference(x: torch.Tensor, recipe: Recipe, scale: torch.Tensor | No
     if isinstance(recipe, PerTensor):
         s = per_tensor_scale(x, recipe) if scale is None else scale.float()
         return _saturate_cast(x.float() / s, recipe.fp8_dtype), s
-    return _reference_blocks(x, recipe.block_size, recipe.fp8_dtype, _scale_mode(recipe))
+    q, s = _reference_blocks(x, recipe.block_size, recipe.fp8_dtype, _scale_mode(recipe))
+    return q, s.view(torch.float8_e8m0fnu) if isinstance(recipe, MXFP8) else s
 
 
 # ------------------------------------------------------------------------ triton
@@ -103,7 +105,8 @@ def quantize_rows_triton(
 
     ``scale_mode`` is ``"amax"``, ``"pow2"``, ``"mx_floor"`` or ``"given"`` (per-tensor,
     ``scale`` a ``[]`` fp32 tensor; ``block_size`` is then only the tile width).
-    Returns ``(qdata, scale)``. No host sync.
+    Returns ``(qdata, scale)``; for ``"mx_floor"`` the scale is e8m0 bits as ``uint8``.
+    No host sync.
     """
     from qmoe.tensors._kernels.quantize import quantize_rows_kernel
 
@@ -118,7 +121,7 @@ def quantize_rows_triton(
         s_out = scale
         mode = 3
     else:
-        sdt = torch.float8_e8m0fnu if scale_mode == "mx_floor" else torch.float32
+        sdt = torch.uint8 if scale_mode == "mx_floor" else torch.float32
         s_out = torch.empty((*x.shape[:-1], nb), dtype=sdt, device=x.device)
         mode = SCALE_MODES[scale_mode]
     if q.numel() == 0:
@@ -130,7 +133,7 @@ def quantize_rows_triton(
     quantize_rows_kernel[grid](
         x2,
         q.view(torch.uint8),
-        s_out.view(torch.uint8) if s_out.dtype == torch.float8_e8m0fnu else s_out,
+        s_out,
         r,
         h,
         nb,
@@ -162,7 +165,7 @@ def _quantize_blocks(
 
 @_quantize_blocks.register_fake
 def _(x, block_size, fp8_dtype, scale_mode):
-    sdt = torch.float8_e8m0fnu if scale_mode == "mx_floor" else torch.float32
+    sdt = torch.uint8 if scale_mode == "mx_floor" else torch.float32
     nb = _num_blocks(x.shape[-1], block_size)
     return (
         torch.empty(x.shape, dtype=fp8_dtype, device=x.device),
@@ -222,7 +225,11 @@ class _Dequantize(torch.autograd.Function):
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
-    return t._dequantize_raw() if isinstance(t, QuantizedTensor) else t
+    """A gradient in high precision. Eager only: under compile AOTAutograd guesses tangents
+    of a subclass output to be that subclass, so Dynamo must not branch on the type."""
+    if not torch.compiler.is_compiling() and isinstance(t, QuantizedTensor):
+        return t._dequantize_raw()
+    return t
 
 
 def quantize(

@@ -54,14 +54,42 @@ class MXFP8Tensor(QuantizedTensor):
 
     Fields: ``qdata`` ``[..., H]`` fp8, ``scale`` ``[..., ceil(H / 32)]`` e8m0,
     ``orig_dtype``. The scale byte ``b`` means ``2 ** (b - 127)``; 255 is NaN.
+
+    The scale is stored as its bits, ``scale_bits`` (``uint8``, the same bytes), and
+    ``scale`` is an e8m0 view of them: Inductor's CPU backend cannot generate code that
+    copies e8m0 tensors (cat, clone), so ops and compiled graphs move the bits.
+    The constructor takes ``scale`` as e8m0 or as ``uint8`` bits.
     """
 
+    tensor_data_names: ClassVar[tuple[str, ...]] = ("qdata", "scale_bits")
     tensor_attribute_names: ClassVar[tuple[str, ...]] = ("orig_dtype",)
     block_size = 32
-    scale_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float8_e8m0fnu,)
+    scale_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.uint8,)
+    scale_bits: torch.Tensor
 
     def __new__(cls, qdata, scale, orig_dtype, *, requires_grad=False):
         return super().__new__(cls, qdata, scale, orig_dtype, requires_grad=requires_grad)
+
+    @classmethod
+    def _store_scale(cls, scale: torch.Tensor) -> torch.Tensor:
+        if scale.dtype == torch.float8_e8m0fnu:
+            return scale.view(torch.uint8)
+        if scale.dtype != torch.uint8:
+            raise TypeError(
+                f"MXFP8Tensor: scale must be float8_e8m0fnu (or its uint8 bits), got {scale.dtype}"
+            )
+        return scale
+
+    @property
+    def scale(self) -> torch.Tensor:  # type: ignore[override]
+        return self.scale_bits.view(torch.float8_e8m0fnu)
+
+    def scale_fp32(self) -> torch.Tensor:
+        # 2 ** (b - 127) from the bits; byte 0 is the subnormal 2**-127, 255 is NaN.
+        b = self.scale_bits.to(torch.int32)
+        s = (b << 23).view(torch.float32)
+        s = torch.where(b == 0, 2.0**-127, s)
+        return torch.where(b == 255, float("nan"), s)
 
 
 for _cls in (Float8Tensor, Float8BlockwiseTensor, MXFP8Tensor):
