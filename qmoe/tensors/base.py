@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import hashlib
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
@@ -46,7 +47,9 @@ class QuantizedDispatchError(NotImplementedError):
     """Raised in strict mode when an op would fall back to dequantization."""
 
 
-_STRICT: contextvars.ContextVar[bool] = contextvars.ContextVar("qmoe_strict_dispatch", default=False)
+_STRICT: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "qmoe_strict_dispatch", default=False
+)
 
 # op -> impl(func, args, kwargs). The one registry this module keeps (see module docs).
 _PASSTHROUGH: dict[Any, OpImpl] = {}
@@ -262,8 +265,10 @@ class QuantizedTensor(torch.Tensor):
         s = self.scale_fp32()
         if self.block_size is None:
             return s
-        h = self.qdata.shape[-1]
-        return s.repeat_interleave(self.block_size, dim=-1)[..., :h]
+        # A gather by block index rather than repeat_interleave(...)[..., :H]: Inductor's
+        # CPU backend (torch 2.13) miscomputes the partial last block of the latter.
+        cols = torch.arange(self.qdata.shape[-1], device=s.device) // self.block_size
+        return s[..., cols]
 
     def _dequantize_raw(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         out = self.qdata.float() * self._scale_full()
@@ -279,6 +284,16 @@ class QuantizedTensor(torch.Tensor):
         return _Dequantize.apply(self, dtype)
 
     # ------------------------------------------------------- tracing support
+    def _stable_hash_for_caching(self) -> str:
+        """Deterministic key for the AOTAutograd cache: class, attributes, inner metadata."""
+        inner = [
+            (n, t.dtype, tuple(t.shape), t.stride(), t.device.type)
+            for n in self.tensor_data_names
+            for t in [getattr(self, n)]
+        ]
+        key = repr((type(self).__qualname__, self._attrs(), inner))
+        return hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
+
     def __tensor_flatten__(self) -> tuple[list[str], tuple[Any, ...]]:
         return list(self.tensor_data_names), self._attrs()
 
@@ -335,6 +350,6 @@ class QuantizedTensor(torch.Tensor):
             f"{func} has no quantized implementation for {cls.__name__}; running it on "
             "dequantized inputs in high precision (use qmoe.strict_dispatch() to raise)",
             QuantizedFallbackWarning,
-            stacklevel=2,
+            stacklevel=1,  # one location, so the warnings registry shows each op once
         )
         return func(*tree_map(_dequantize_arg, args), **tree_map(_dequantize_arg, kwargs))

@@ -100,13 +100,15 @@ def quantize_rows_triton(
     fp8_dtype: torch.dtype,
     scale_mode: str,
     scale: torch.Tensor | None = None,
+    *,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the Triton kernel on ``x`` ``[..., H]`` (CUDA, or CPU under TRITON_INTERPRET=1).
 
     ``scale_mode`` is ``"amax"``, ``"pow2"``, ``"mx_floor"`` or ``"given"`` (per-tensor,
     ``scale`` a ``[]`` fp32 tensor; ``block_size`` is then only the tile width).
     Returns ``(qdata, scale)``; for ``"mx_floor"`` the scale is e8m0 bits as ``uint8``.
-    No host sync.
+    ``out``: preallocated ``(qdata, scale)`` to write into. No host sync.
     """
     from qmoe.tensors._kernels.quantize import quantize_rows_kernel
 
@@ -116,14 +118,18 @@ def quantize_rows_triton(
         x2 = x2.contiguous()
     r = x2.shape[0]
     nb = _num_blocks(h, block_size)
-    q = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
     if scale_mode == "given":
-        s_out = scale
         mode = 3
+        q = torch.empty(x.shape, dtype=fp8_dtype, device=x.device) if out is None else out[0]
+        s_out = scale
     else:
-        sdt = torch.uint8 if scale_mode == "mx_floor" else torch.float32
-        s_out = torch.empty((*x.shape[:-1], nb), dtype=sdt, device=x.device)
         mode = SCALE_MODES[scale_mode]
+        sdt = torch.uint8 if scale_mode == "mx_floor" else torch.float32
+        if out is None:
+            q = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
+            s_out = torch.empty((*x.shape[:-1], nb), dtype=sdt, device=x.device)
+        else:
+            q, s_out = out
     if q.numel() == 0:
         return q, s_out
     groups = max(1, min(512 // block_size, triton.next_power_of_2(nb)))

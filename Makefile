@@ -1,0 +1,26 @@
+# The two commands the README promises: `make demo` and `make test`.
+# Both install what they need: torch==2.13.0 first when torch is missing (never a bare
+# `torch`, which would pull a multi-GB CUDA build), then qmoe itself.
+PY ?= python3
+
+.PHONY: setup demo test lint bench
+
+setup:
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q --no-build-isolation -e ".[test]"
+
+demo: setup
+	$(PY) -m qmoe.demo
+
+# Triton kernels run through the interpreter on machines without a GPU.
+test: setup
+	@if $(PY) -c "import torch, sys; sys.exit(torch.cuda.is_available())"; then \
+		export TRITON_INTERPRET=1; fi; \
+	$(PY) -m pytest tests
+
+lint:
+	$(PY) -m pip install -q ruff
+	$(PY) -m ruff check qmoe tests benchmarks scripts
+
+bench: setup
+	$(PY) benchmarks/bench_quantize.py

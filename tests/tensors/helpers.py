@@ -1,0 +1,40 @@
+import torch
+
+import qmoe
+
+RECIPES = {
+    "pertensor-e4m3": qmoe.PerTensor(),
+    "pertensor-e5m2": qmoe.PerTensor(torch.float8_e5m2),
+    "pertensor-pow2": qmoe.PerTensor(power_of_two_scale=True),
+    "blockwise-e4m3": qmoe.Blockwise(),
+    "blockwise-e5m2": qmoe.Blockwise(fp8_dtype=torch.float8_e5m2),
+    "blockwise-pow2": qmoe.Blockwise(power_of_two_scale=True),
+    "mx-e4m3": qmoe.MXFP8(),
+    "mx-e5m2": qmoe.MXFP8(torch.float8_e5m2),
+}
+# One recipe per layout, for the tests where the fp8 dtype is not the point.
+LAYOUTS = {k: RECIPES[k] for k in ("pertensor-e4m3", "blockwise-e4m3", "mx-e4m3")}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """Raw bytes of a tensor, for bit-exact comparison (NaN == NaN)."""
+    t = t.contiguous()
+    return t.reshape(-1).view(torch.uint8) if t.numel() else t.reshape(-1).view(torch.uint8)
+
+
+def assert_same_bits(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert a.dtype == b.dtype, (a.dtype, b.dtype)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    assert torch.equal(bits(a), bits(b)), "bits differ"
+
+
+def assert_same_quantized(a, b) -> None:
+    assert type(a) is type(b)
+    assert a._attrs() == b._attrs()
+    assert_same_bits(a.qdata, b.qdata)
+    assert_same_bits(a.raw_scale, b.raw_scale)
+
+
+def sqnr_db(x: torch.Tensor, y: torch.Tensor) -> float:
+    x, y = x.double(), y.double()
+    return (20 * torch.log10(x.norm() / (x - y).norm())).item()

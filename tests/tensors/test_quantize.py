@@ -1,0 +1,184 @@
+"""quantize / dequantize: layouts, accuracy floors, scale rules, autograd, bad input."""
+
+import math
+
+import pytest
+import torch
+
+import qmoe
+from qmoe.tensors.recipes import fp8_max
+from tests.tensors.helpers import LAYOUTS, RECIPES, assert_same_bits, sqnr_db
+
+HS = [1, 17, 127, 129, 7168]
+
+
+def _expected_dequant(q) -> torch.Tensor:
+    """qdata.float() * scale, written out block by block (independent of the library)."""
+    qd = q.qdata.float()
+    if q.block_size is None:
+        return qd * q.scale.float()
+    out = torch.empty_like(qd)
+    s = q.scale.float()
+    for b in range(s.shape[-1]):
+        sl = slice(b * q.block_size, (b + 1) * q.block_size)
+        out[..., sl] = qd[..., sl] * s[..., b : b + 1]
+    return out
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+@pytest.mark.parametrize("h", HS)
+def test_layout_and_dequantize(name, h):
+    recipe = RECIPES[name]
+    x = torch.randn(3, 5, h, dtype=torch.bfloat16)
+    q = qmoe.quantize(x, recipe)
+    assert q.shape == x.shape and q.dtype == x.dtype and q.orig_dtype == torch.bfloat16
+    assert q.qdata.dtype == recipe.fp8_dtype and q.qdata.shape == x.shape
+    if isinstance(recipe, qmoe.PerTensor):
+        assert type(q) is qmoe.Float8Tensor
+        assert q.scale.shape == () and q.scale.dtype == torch.float32
+    elif isinstance(recipe, qmoe.Blockwise):
+        assert type(q) is qmoe.Float8BlockwiseTensor and q.block_size == 128
+        assert q.scale.shape == (3, 5, math.ceil(h / 128)) and q.scale.dtype == torch.float32
+    else:
+        assert type(q) is qmoe.MXFP8Tensor
+        assert q.scale.shape == (3, 5, math.ceil(h / 32)) and q.scale.dtype == torch.float8_e8m0fnu
+    d = q.dequantize()
+    assert d.dtype == torch.bfloat16 and type(d) is torch.Tensor
+    assert torch.equal(d, _expected_dequant(q).to(torch.bfloat16))
+    assert torch.equal(q.dequantize(torch.float32), _expected_dequant(q))
+
+
+@pytest.mark.parametrize(
+    "name,floor_db",
+    [
+        ("pertensor-e4m3", 25), ("blockwise-e4m3", 28), ("mx-e4m3", 28),
+        ("pertensor-e5m2", 19), ("blockwise-e5m2", 22), ("mx-e5m2", 22),
+        ("pertensor-pow2", 25), ("blockwise-pow2", 27),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_sqnr_floor_gaussian(name, floor_db, dtype):
+    x = torch.randn(256, 1024).to(dtype)
+    q = qmoe.quantize(x, RECIPES[name])
+    assert sqnr_db(x, q.dequantize(torch.float32)) >= floor_db
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_block_recipes_beat_per_tensor_on_outlier_rows(fp8):
+    x = torch.randn(64, 512)
+    # Outlier rows (massive activations) large enough to push the other rows below the
+    # format's range under a single scale.
+    x[::8] *= 2.0**20 if fp8 == torch.float8_e4m3fn else 2.0**32
+    normal = torch.ones(64, dtype=torch.bool)
+    normal[::8] = False
+    res = {}
+    for name, recipe in [
+        ("pt", qmoe.PerTensor(fp8)), ("bw", qmoe.Blockwise(fp8_dtype=fp8)), ("mx", qmoe.MXFP8(fp8))
+    ]:
+        d = qmoe.quantize(x, recipe).dequantize()
+        res[name] = sqnr_db(x[normal], d[normal])
+    assert res["bw"] > res["pt"] + 10 and res["mx"] > res["pt"] + 10, res
+    assert min(res["bw"], res["mx"]) > 20, res
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_mx_scale_is_ocp_floor(fp8):
+    x = torch.randn(16, 96) * torch.logspace(-30, 30, 16)[:, None]
+    x[3] = 0.0
+    q = qmoe.quantize(x, qmoe.MXFP8(fp8))
+    amax = x.reshape(16, 3, 32).abs().amax(-1)
+    mant, exp = torch.frexp(amax)  # amax = mant * 2**exp, mant in [0.5, 1)
+    emax = 8 if fp8 == torch.float8_e4m3fn else 15
+    want = (exp - 1 - emax).clamp(-127, 127) + 127
+    want[3] = 0  # all-zero block: the smallest scale
+    assert torch.equal(q.scale.view(torch.uint8).long(), want.long())
+    # Elements never exceed the format's range and no finite input becomes NaN.
+    assert not q.qdata.float().isnan().any()
+
+
+@pytest.mark.parametrize("name", ["pertensor-pow2", "blockwise-pow2"])
+def test_power_of_two_scales(name):
+    recipe = RECIPES[name]
+    x = torch.randn(8, 384) * 3.7
+    q = qmoe.quantize(x, recipe)
+    s = q.scale
+    mant, _ = torch.frexp(s)
+    assert torch.all(mant == 0.5)
+    if s.dim():
+        amax = x.reshape(8, 3, 128).abs().amax(-1)
+    else:
+        amax = x.abs().amax()
+    lo = amax / fp8_max(recipe.fp8_dtype)
+    assert torch.all(s >= lo) and torch.all(s < 2 * lo)
+
+
+def test_per_tensor_given_scale():
+    x = torch.randn(4, 64)
+    s = torch.tensor(0.25)
+    q = qmoe.quantize(x, qmoe.PerTensor(), scale=s)
+    assert q.scale.item() == 0.25
+    assert_same_bits(q.qdata, (x / 0.25).clamp(-448, 448).to(torch.float8_e4m3fn))
+
+
+def test_saturation_and_zeros():
+    x = torch.zeros(4, 256)
+    for recipe in LAYOUTS.values():
+        q = qmoe.quantize(x, recipe)
+        assert torch.equal(q.dequantize(), x)
+        assert torch.isfinite(q.scale_fp32()).all()
+    big = torch.full((2, 64), 1e30)
+    s = torch.tensor(1.0)
+    q = qmoe.quantize(big, qmoe.PerTensor(), scale=s)
+    assert torch.all(q.qdata.float() == 448.0)  # saturates, no inf/NaN
+
+
+@pytest.mark.parametrize("shape", [(0, 128), (0, 7), (5, 0), (0,)])
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_empty(shape, name):
+    x = torch.randn(shape)
+    q = qmoe.quantize(x, LAYOUTS[name])
+    assert q.shape == x.shape and q.numel() == 0
+    assert q.dequantize().shape == x.shape
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_straight_through_gradient(name):
+    x = torch.randn(6, 200, dtype=torch.bfloat16, requires_grad=True)
+    q = qmoe.quantize(x, LAYOUTS[name])
+    assert q.requires_grad
+    g = torch.randn(6, 200, dtype=torch.bfloat16)
+    q.dequantize().backward(g)
+    assert x.grad.dtype == torch.bfloat16 and torch.equal(x.grad, g)
+
+
+def test_bad_input():
+    with pytest.raises(TypeError, match="x must be"):
+        qmoe.quantize([1.0], qmoe.PerTensor())
+    with pytest.raises(TypeError, match="float32, bfloat16 or float16"):
+        qmoe.quantize(torch.ones(4, 4, dtype=torch.int32), qmoe.PerTensor())
+    with pytest.raises(ValueError, match="scalar"):
+        qmoe.quantize(torch.tensor(1.0), qmoe.PerTensor())
+    with pytest.raises(TypeError, match="recipe must be"):
+        qmoe.quantize(torch.ones(4, 4), "mx")
+    with pytest.raises(ValueError, match="only accepted with the PerTensor"):
+        qmoe.quantize(torch.ones(4, 4), qmoe.Blockwise(), scale=torch.tensor(1.0))
+    with pytest.raises(TypeError, match="already quantized"):
+        qmoe.quantize(qmoe.quantize(torch.ones(4, 4), qmoe.PerTensor()), qmoe.PerTensor())
+    with pytest.raises(TypeError, match="fp8_dtype"):
+        qmoe.PerTensor(torch.bfloat16)
+    with pytest.raises(ValueError, match="block_size"):
+        qmoe.Blockwise(block_size=100)
+    with pytest.raises(ValueError, match="scale_rounding"):
+        qmoe.MXFP8(scale_rounding="ceil")
+
+
+def test_constructor_checks():
+    q8 = torch.zeros(4, 256, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="scale shape"):
+        qmoe.Float8BlockwiseTensor(q8, torch.ones(4, 3), torch.bfloat16, 128)
+    with pytest.raises(TypeError, match="qdata must be"):
+        qmoe.Float8Tensor(torch.zeros(4, 4), torch.tensor(1.0), torch.bfloat16)
+    with pytest.raises(TypeError, match="scale must be"):
+        qmoe.MXFP8Tensor(q8, torch.ones(4, 8), torch.bfloat16)
+    with pytest.raises(TypeError, match="orig_dtype"):
+        qmoe.Float8Tensor(q8, torch.tensor(1.0), torch.int32)

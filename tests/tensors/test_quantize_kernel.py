@@ -1,0 +1,98 @@
+"""The Triton quantize kernel against the torch reference, bit for bit.
+
+Runs on CUDA, or on CPU under TRITON_INTERPRET=1 (where the kernel's integer fp8
+rounding replaces the hardware cast).
+"""
+
+import pytest
+import torch
+
+import qmoe
+from qmoe.tensors.quantize import _reference_blocks, _saturate_cast, quantize_rows_triton
+from tests.tensors.helpers import RECIPES, assert_same_bits
+
+MODES = [
+    ("amax", 128), ("pow2", 128), ("mx_floor", 32), ("amax", 32), ("pow2", 64),
+]
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def _nasty(rows: int, h: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows spanning 60 orders of magnitude, plus zero rows, NaN, inf and ties."""
+    x = torch.randn(rows, h) * torch.logspace(-30, 30, rows)[:, None]
+    x[min(1, rows - 1)] = 0.0
+    if rows > 3 and h > 2:
+        x[2, 1] = float("nan")
+        x[3, 0] = float("inf")
+    return x.to(dtype)
+
+
+def _poisoned_run(x, bs, fp8, mode):
+    """Run the kernel into outputs pre-filled with 0xFF, so unwritten bytes show up
+    (0xFF is NaN in both fp8 formats and in e8m0, and the reference has no NaN here)."""
+    nb = -(-x.shape[-1] // bs)
+    q = torch.full(x.shape, 0xFF, dtype=torch.uint8, device=x.device).view(fp8)
+    sdt = torch.uint8 if mode == "mx_floor" else torch.float32
+    s = torch.full((*x.shape[:-1], nb), 0xFF, dtype=torch.uint8, device=x.device)
+    s = s if sdt == torch.uint8 else torch.full(s.shape, float("nan"), device=x.device)
+    return quantize_rows_triton(x, bs, fp8, mode, out=(q, s))
+
+
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("mode,bs", MODES)
+@pytest.mark.parametrize("h", [1, 17, 127, 129, 300])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_kernel_matches_reference(kdevice, fp8, mode, bs, h, dtype):
+    if dtype == torch.float16:
+        x = torch.randn(9, h).to(dtype) * 100
+    else:
+        x = _nasty(9, h, dtype)
+    x = x.to(kdevice)
+    q, s = quantize_rows_triton(x, bs, fp8, mode)
+    qr, sr = _reference_blocks(x.cpu(), bs, fp8, mode)
+    assert_same_bits(q.cpu(), qr)
+    assert_same_bits(s.cpu(), sr)
+
+
+@pytest.mark.parametrize("fp8", FP8)
+def test_kernel_fp8_rounding_every_magnitude(kdevice, fp8):
+    """Per-tensor path with scale 1: the fp8 cast itself, over normals, subnormals, ties."""
+    mags = torch.logspace(-45, 6, 20000)
+    x = torch.cat([
+        torch.randn(20000) * mags,
+        # exact ties between fp8 neighbours: k/16 * 2**e for e4m3, k/8 for e5m2
+        torch.arange(-512, 512) / 16.0 * 2.0 ** torch.randint(-20, 8, (1024,)),
+        torch.tensor([0.0, -0.0, 448.0, -448.0, 464.0, 57344.0, 61440.0, 1e30, -1e30,
+                      float("inf"), float("-inf"), 2.0**-9, 2.0**-10, 3 * 2.0**-11,
+                      2.0**-16, 2.0**-17, 3 * 2.0**-18, 1e-45]),
+    ]).reshape(1, -1).to(kdevice)
+    one = torch.ones((), device=kdevice)
+    q, _ = quantize_rows_triton(x, 512, fp8, "given", one)
+    assert_same_bits(q.cpu(), _saturate_cast(x.cpu(), fp8))
+
+
+@pytest.mark.parametrize("rows", [1, 63, 1025])
+def test_kernel_row_tails_and_leading_dims(kdevice, rows):
+    x = torch.randn(rows, 3, 200, dtype=torch.bfloat16, device=kdevice)
+    for mode, bs in [("amax", 128), ("mx_floor", 32)]:
+        q, s = _poisoned_run(x, bs, torch.float8_e4m3fn, mode)
+        qr, sr = _reference_blocks(x.cpu(), bs, torch.float8_e4m3fn, mode)
+        assert q.shape == (rows, 3, 200) and s.shape == sr.shape
+        assert_same_bits(q.cpu(), qr)
+        assert_same_bits(s.cpu(), sr)
+
+
+def test_kernel_empty(kdevice):
+    x = torch.randn(0, 256, device=kdevice)
+    q, s = quantize_rows_triton(x, 128, torch.float8_e4m3fn, "amax")
+    assert q.shape == (0, 256) and s.shape == (0, 2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA dispatch of qmoe.quantize")
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_quantize_on_cuda_matches_cpu(name):
+    x = _nasty(64, 7168, torch.bfloat16)
+    qc = qmoe.quantize(x.cuda(), RECIPES[name])
+    qr = qmoe.quantize(x, RECIPES[name])
+    assert_same_bits(qc.qdata.cpu(), qr.qdata)
+    assert_same_bits(qc.raw_scale.cpu(), qr.raw_scale)
