@@ -1,0 +1,57 @@
+"""Shared benchmark helpers: copy-bandwidth ceiling, medians, JSON output."""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+
+import torch
+
+
+def env_info() -> dict:
+    import triton
+
+    info = {
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+    }
+    if torch.cuda.is_available():
+        info["cuda"] = torch.version.cuda
+    return info
+
+
+def median_ms(fn, *, warmup: int = 5, iters: int = 50) -> float:
+    """Median wall time of ``fn`` in ms: CUDA events on GPU, perf_counter on CPU."""
+    if torch.cuda.is_available():
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        ts.append((time.perf_counter() - t0) * 1e3)
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth, counting bytes read plus bytes written."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=dev).normal_()
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src))
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def write_json(path: str | None, payload: dict) -> None:
+    text = json.dumps(payload, indent=2)
+    if path:
+        with open(path, "w") as f:
+            f.write(text + "\n")
+    print(text)

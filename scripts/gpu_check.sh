@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# One device call: GPU tests, then benchmarks; logs and JSON under $OUT.
+#   run: bash scripts/gpu_check.sh [pytest -k expression]
+# The GPU machine has torch and Triton but no network: nothing is installed here,
+# qmoe is used from the checkout through PYTHONPATH.
+set -uo pipefail
+OUT=${OUT:-/tmp/qmoe_gpu_out}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+unset TRITON_INTERPRET
+{
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
+} 2>&1 | tee "$OUT/env.txt"
+K=${1:-}
+python3 -m pytest tests -q -p no:cacheprovider -x ${K:+-k "$K"} 2>&1 | tee "$OUT/tests.log" | tail -25
+echo "pytest rc=${PIPESTATUS[0]}" | tee -a "$OUT/tests.log"
+for b in benchmarks/bench_*.py; do
+  n=$(basename "$b" .py)
+  python3 "$b" --out "$OUT/$n.json" 2>&1 | tee "$OUT/$n.log" | grep -v '^ \|^{\|^}\|^  "' | tail -40
+done
