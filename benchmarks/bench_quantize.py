@@ -54,9 +54,10 @@ def main() -> None:
             if rname == "pertensor-given-scale":
                 kw["scale"] = (x.abs().amax().float() / 448.0).reshape(())
             q = qmoe.quantize(x, recipe, **kw)
-            nbytes = x.numel() * 2 + q.qdata.numel() + q.raw_scale.numel() * q.raw_scale.element_size()
-            ms = median_ms(lambda r=recipe, kw=kw: qmoe.quantize(x, r, **kw))
-            ms_ref = median_ms(lambda r=recipe, kw=kw: quantize_reference(x, r, **kw))
+            s = q.raw_scale
+            nbytes = x.numel() * 2 + q.qdata.numel() + s.numel() * s.element_size()
+            ms = median_ms(lambda x=x, r=recipe, kw=kw: qmoe.quantize(x, r, **kw))
+            ms_ref = median_ms(lambda x=x, r=recipe, kw=kw: quantize_reference(x, r, **kw))
             gbs = nbytes / (ms * 1e-3) / 1e9
             rows.append({
                 "config": cname, "T": t, "H": h, "recipe": rname, "bytes": nbytes,
