@@ -40,6 +40,25 @@ def median_ms(fn, *, warmup: int = 5, iters: int = 50) -> float:
     return ts[len(ts) // 2]
 
 
+def graph_median_ms(fn) -> float | None:
+    """Median time of ``fn`` replayed from a CUDA graph: the GPU time without the Python
+    and launch overhead of eager calls. ``None`` on CPU."""
+    if not torch.cuda.is_available():
+        return None
+    import triton.testing
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm up (compiles kernels) outside the capture
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return float(triton.testing.do_bench(g.replay, warmup=25, rep=200, return_mode="median"))
+
+
 def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
     """Device-to-device copy bandwidth, counting bytes read plus bytes written."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"

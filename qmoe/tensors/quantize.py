@@ -48,8 +48,11 @@ def _num_blocks(h: int, block_size: int) -> int:
 
 # --------------------------------------------------------------------- reference
 def _saturate_cast(y: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """Saturate to +-fp8_max and round to nearest even. Every NaN becomes the positive
+    NaN 0x7F (the GPU's conversion gives that; x86 makes inf/inf a negative NaN)."""
     m = fp8_max(fp8_dtype)
-    return y.clamp(-m, m).to(fp8_dtype)  # clamp keeps NaN
+    y = torch.where(y.isnan(), float("nan"), y.clamp(-m, m))
+    return y.to(fp8_dtype)
 
 
 def _reference_blocks(x, block_size, fp8_dtype, scale_mode):
@@ -79,7 +82,10 @@ def _reference_blocks(x, block_size, fp8_dtype, scale_mode):
 
 def per_tensor_scale(x: torch.Tensor, recipe: PerTensor) -> torch.Tensor:
     """The dynamic per-tensor scale ``max(amax, EPS) / fp8_max`` as a ``[]`` fp32 tensor."""
-    amax = x.abs().amax().float() if x.numel() else x.new_zeros((), dtype=torch.float32)
+    if x.numel() == 0:
+        amax = x.new_zeros((), dtype=torch.float32)
+    else:  # one read of x, no |x| temporary; NaN propagates
+        amax = torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32)
     s = amax.clamp(min=EPS) / fp8_max(recipe.fp8_dtype)
     return _pow2_ceil(s) if recipe.power_of_two_scale else s
 

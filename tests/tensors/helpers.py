@@ -25,7 +25,13 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 def assert_same_bits(a: torch.Tensor, b: torch.Tensor) -> None:
     assert a.dtype == b.dtype, (a.dtype, b.dtype)
     assert a.shape == b.shape, (a.shape, b.shape)
-    assert torch.equal(bits(a), bits(b)), "bits differ"
+    ba, bb = bits(a), bits(b)
+    if not torch.equal(ba, bb):
+        bad = (ba != bb).nonzero().flatten()
+        raise AssertionError(
+            f"bits differ at {bad.numel()} of {ba.numel()} bytes; first byte offsets "
+            f"{bad[:6].tolist()}: {ba[bad[:6]].tolist()} vs {bb[bad[:6]].tolist()}"
+        )
 
 
 def assert_same_quantized(a, b) -> None:

@@ -21,7 +21,7 @@ SCALE_GIVEN = 3  # per-tensor: one fp32 scale read from s_ptr, nothing written
 
 @triton.jit
 def fp32_to_fp8_bits(y, MB: tl.constexpr, BIAS: tl.constexpr, HW_CAST: tl.constexpr):
-    """Round fp32 ``y`` (already clamped to +-FP8_MAX, or NaN) to fp8 bits, RNE.
+    """Round fp32 ``y`` (already clamped to +-FP8_MAX, or NaN) to fp8 bits, RNE; NaN -> 0x7F.
 
     ``MB``/``BIAS``: mantissa bits and exponent bias (3/7 for e4m3fn, 2/15 for e5m2).
     ``HW_CAST`` uses the hardware conversion; otherwise integer arithmetic gives the same
@@ -51,8 +51,8 @@ def fp32_to_fp8_bits(y, MB: tl.constexpr, BIAS: tl.constexpr, HW_CAST: tl.conste
         up = (rem > half) | ((rem == half) & ((q & 1) == 1))
         sub = q + up.to(tl.int32)
         res = tl.where(e >= 128 - BIAS, normal, sub)
-        res = tl.where(a > 0x7F800000, 0x7F, res)
-        return (res | (sign << 7)).to(tl.uint8)
+        res = res | (sign << 7)
+        return tl.where(a > 0x7F800000, 0x7F, res).to(tl.uint8)  # NaN: positive, as on GPU
 
 
 @triton.jit
