@@ -42,6 +42,11 @@ def _pow2_ceil(s: torch.Tensor) -> torch.Tensor:
     return torch.where(s.isnan(), s, bits.view(torch.float32))
 
 
+def _canonical_nan(s: torch.Tensor) -> torch.Tensor:
+    """Every NaN as 0x7FC00000: GPUs and CPUs produce different NaN bit patterns."""
+    return torch.where(s.isnan(), float("nan"), s)
+
+
 def _num_blocks(h: int, block_size: int) -> int:
     return -(-h // block_size)
 
@@ -74,6 +79,7 @@ def _reference_blocks(x, block_size, fp8_dtype, scale_mode):
         divisor = amax.clamp(min=EPS) / fp8_max(fp8_dtype)
         if scale_mode == "pow2":
             divisor = _pow2_ceil(divisor)
+        divisor = _canonical_nan(divisor)
         scale_out = divisor
     q = _saturate_cast(xb / divisor.unsqueeze(-1), fp8_dtype)
     q = q.reshape(*x.shape[:-1], nb * block_size)[..., :h]
@@ -87,7 +93,7 @@ def per_tensor_scale(x: torch.Tensor, recipe: PerTensor) -> torch.Tensor:
     else:  # one read of x, no |x| temporary; NaN propagates
         amax = torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32)
     s = amax.clamp(min=EPS) / fp8_max(recipe.fp8_dtype)
-    return _pow2_ceil(s) if recipe.power_of_two_scale else s
+    return _canonical_nan(_pow2_ceil(s) if recipe.power_of_two_scale else s)
 
 
 def quantize_reference(x: torch.Tensor, recipe: Recipe, scale: torch.Tensor | None = None):
@@ -108,13 +114,16 @@ def quantize_rows_triton(
     scale: torch.Tensor | None = None,
     *,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    tile: tuple[int, int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the Triton kernel on ``x`` ``[..., H]`` (CUDA, or CPU under TRITON_INTERPRET=1).
 
     ``scale_mode`` is ``"amax"``, ``"pow2"``, ``"mx_floor"`` or ``"given"`` (per-tensor,
     ``scale`` a ``[]`` fp32 tensor; ``block_size`` is then only the tile width).
     Returns ``(qdata, scale)``; for ``"mx_floor"`` the scale is e8m0 bits as ``uint8``.
-    ``out``: preallocated ``(qdata, scale)`` to write into. No host sync.
+    ``out``: preallocated ``(qdata, scale)`` to write into. ``tile``: ``(block_r, groups,
+    num_warps)`` overriding the default tiling (for sweeps; results do not depend on it).
+    No host sync.
     """
     from qmoe.tensors._kernels.quantize import quantize_rows_kernel
 
@@ -138,8 +147,11 @@ def quantize_rows_triton(
             q, s_out = out
     if q.numel() == 0:
         return q, s_out
-    groups = max(1, min(512 // block_size, triton.next_power_of_2(nb)))
-    block_r = max(1, 4096 // (groups * block_size))
+    if tile is None:
+        groups = max(1, min(512 // block_size, triton.next_power_of_2(nb)))
+        block_r, num_warps = max(1, 4096 // (groups * block_size)), 4
+    else:
+        block_r, groups, num_warps = tile
     grid = (triton.cdiv(r, block_r), triton.cdiv(nb, groups))
     e4m3 = fp8_dtype == torch.float8_e4m3fn
     quantize_rows_kernel[grid](
@@ -160,7 +172,7 @@ def quantize_rows_triton(
         BS=block_size,
         GROUPS=groups,
         BLOCK_R=block_r,
-        num_warps=4,
+        num_warps=num_warps,
     )
     return q, s_out
 

@@ -106,11 +106,12 @@ def quantize_rows_kernel(
             scale = (biased << 23).to(tl.float32, bitcast=True)
             scale = tl.maximum(scale, 1.1754943508222875e-38)  # 2**-126, as torchao does
         else:
-            scale = tl.math.div_rn(tl.where(amax < EPS, EPS, amax), FP8_MAX)  # keeps NaN
+            scale = tl.math.div_rn(tl.where(amax < EPS, EPS, amax), FP8_MAX)
             if SCALE_MODE == 1:  # SCALE_POW2
                 sb = scale.to(tl.int32, bitcast=True)
                 sb = (sb + 0x7FFFFF) & 0x7F800000
-                scale = tl.where(scale != scale, scale, sb.to(tl.float32, bitcast=True))
+                scale = sb.to(tl.float32, bitcast=True)
+            scale = tl.where(has_nan, nan, scale)  # one NaN pattern on every device
             tl.store(s_ptr + s_offs, scale, mask=smask)
         y = tl.math.div_rn(x, scale[:, :, None])
 
