@@ -1,5 +1,13 @@
 """qmoe: FP8 mixture-of-experts token permutation for PyTorch."""
 
+from qmoe.ops import (
+    moe_permute,
+    moe_permute_and_pad_with_probs,
+    moe_permute_with_probs,
+    moe_sort_chunks_by_index,
+    moe_sort_chunks_by_index_with_probs,
+    moe_unpermute,
+)
 from qmoe.tensors import (
     MXFP8,
     Blockwise,
@@ -21,6 +29,12 @@ from qmoe.tensors import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "moe_permute",
+    "moe_permute_with_probs",
+    "moe_permute_and_pad_with_probs",
+    "moe_unpermute",
+    "moe_sort_chunks_by_index",
+    "moe_sort_chunks_by_index_with_probs",
     "QuantizedTensor",
     "Float8Tensor",
     "Float8BlockwiseTensor",

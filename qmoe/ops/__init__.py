@@ -1,1 +1,16 @@
-"""MoE permutation custom ops (qmoe::...). Built on the tensors in qmoe.tensors."""
+"""MoE permutation as ``torch.library`` custom ops (``qmoe::...``), call-compatible with
+TransformerEngine's ``moe_permute`` family. Triton kernels on CUDA, vectorized torch on
+CPU, and a pure-torch reference in ``qmoe.ops.reference``."""
+
+from qmoe.ops.unpermute import moe_unpermute  # noqa: I001  (defines qmoe::unpermute first)
+from qmoe.ops.permute import moe_permute, moe_permute_and_pad_with_probs, moe_permute_with_probs
+from qmoe.ops.sort_chunks import moe_sort_chunks_by_index, moe_sort_chunks_by_index_with_probs
+
+__all__ = [
+    "moe_permute",
+    "moe_permute_with_probs",
+    "moe_permute_and_pad_with_probs",
+    "moe_unpermute",
+    "moe_sort_chunks_by_index",
+    "moe_sort_chunks_by_index_with_probs",
+]

@@ -1,0 +1,90 @@
+"""Argument checks shared by the public ops: metadata checks are free; value checks on
+device tensors either ride on a host sync the call makes anyway, or become
+``torch._assert_async`` so the sync-free paths stay sync-free."""
+
+from __future__ import annotations
+
+import torch
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+_INTS = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
+
+def is_compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
+def check_tensor(fn: str, name: str, x, *, ndim: int | None = None, dtypes=None, fix: str = ""):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(x).__name__}")
+    if ndim is not None and x.dim() != ndim:
+        raise ValueError(
+            f"{fn}: {name} must be {ndim}-d, got shape {tuple(x.shape)}" + (f"; {fix}" if fix else "")
+        )
+    if dtypes is not None and x.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{fn}: {name} must have dtype in ({names}), got {x.dtype}")
+
+
+def check_input(fn: str, inp) -> None:
+    check_tensor(fn, "inp", inp, ndim=2, dtypes=_FLOATS, fix="pass tokens as [T, H]")
+
+
+def check_same_device(fn: str, ref_name: str, ref: torch.Tensor, **others) -> None:
+    for name, t in others.items():
+        if t is not None and t.device != ref.device:
+            raise ValueError(
+                f"{fn}: {name} is on {t.device} but {ref_name} is on {ref.device}; "
+                f"move it with .to({str(ref.device)!r})"
+            )
+
+
+def check_routing_map(fn: str, inp: torch.Tensor, routing_map, map_type: str) -> None:
+    if map_type not in ("mask", "index"):
+        raise ValueError(f"{fn}: map_type must be 'mask' or 'index', got {map_type!r}")
+    dtypes = (torch.bool, *_INTS) if map_type == "mask" else _INTS[:4]
+    shape = "[T, E]" if map_type == "mask" else "[T, K]"
+    check_tensor(fn, "routing_map", routing_map, ndim=2, dtypes=dtypes, fix=f"expected {shape}")
+    if routing_map.shape[0] != inp.shape[0]:
+        raise ValueError(
+            f"{fn}: routing_map has {routing_map.shape[0]} rows but inp has {inp.shape[0]} "
+            "tokens; they must match (T)"
+        )
+    check_same_device(fn, "inp", inp, routing_map=routing_map)
+
+
+def check_probs(fn: str, name: str, probs, t: int, p: int, ref: torch.Tensor, cols: str) -> None:
+    if probs is None:
+        return
+    check_tensor(fn, name, probs, ndim=2, dtypes=_FLOATS)
+    if tuple(probs.shape) != (t, p):
+        raise ValueError(f"{fn}: {name} must be [T, {cols}] = [{t}, {p}], got {tuple(probs.shape)}")
+    check_same_device(fn, "inp", ref, **{name: probs})
+
+
+def check_num_out_tokens(fn: str, num_out_tokens) -> int | None:
+    """None or -1 mean 'all routed rows' (counted with one host sync); ints >= 0 size N."""
+    if num_out_tokens is None:
+        return None
+    if isinstance(num_out_tokens, bool) or not isinstance(num_out_tokens, (int, torch.SymInt)):
+        raise TypeError(
+            f"{fn}: num_out_tokens must be an int or None, got {type(num_out_tokens).__name__}"
+        )
+    if num_out_tokens == -1:
+        return None
+    if num_out_tokens < 0:
+        raise ValueError(
+            f"{fn}: num_out_tokens must be None (all routed rows), -1 (the same) or >= 0, "
+            f"got {num_out_tokens}"
+        )
+    return num_out_tokens
+
+
+def check_values(fn: str, cond: torch.Tensor, msg: str) -> None:
+    """A value check without a host sync on CUDA or under compile (``_assert_async``);
+    a plain ``ValueError`` on CPU tensors in eager mode."""
+    if cond.device.type == "cpu" and not is_compiling():
+        if not bool(cond):
+            raise ValueError(f"{fn}: {msg}")
+    else:
+        torch._assert_async(cond, f"{fn}: {msg}")

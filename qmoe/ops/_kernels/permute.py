@@ -1,0 +1,143 @@
+"""Triton code for token permutation (launchers in ``qmoe/ops/backend.py``).
+
+Glossary: T tokens, H hidden, S slots per token in the row_id_map, N output rows,
+P columns of the probs tensor (E for a mask map, K for an index map).
+
+row_id_map layout (``qmoe/ops/row_id_map.py``): ``int32 [T, 2*S + 1]``; for token t the
+first ``n = map[t, 2S]`` entries are its output rows and ``map[t, S:S+n]`` the probs
+columns that weight them. Programs cover one token (or one block of rows) and one
+``BLOCK_H`` chunk of the hidden dim; row offsets are int64, so N*H may pass 2**31.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def permute_scatter_kernel(
+    inp_ptr,  # (T, H) any dtype, row stride stride_in
+    out_ptr,  # (N, H) same dtype, contiguous
+    map_ptr,  # (T, 2S+1) int32
+    w_ptr,  # (T, P) float weights, row stride stride_w (read only if HAS_W)
+    H,
+    S,
+    stride_in,
+    stride_w,
+    HAS_W: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """Read token t's row once; write it (times its weight, if HAS_W) to each of its rows."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = cols < H
+    mrow = map_ptr + t * (2 * S + 1)
+    n = tl.load(mrow + 2 * S)
+    x = tl.load(inp_ptr + t * stride_in + cols, mask=hmask)
+    for s in range(0, n):
+        d = tl.load(mrow + s).to(tl.int64)
+        if HAS_W:
+            c = tl.load(mrow + S + s)
+            w = tl.load(w_ptr + t * stride_w + c).to(tl.float32)
+            y = (x.to(tl.float32) * w).to(out_ptr.dtype.element_ty)
+        else:
+            y = x
+        tl.store(out_ptr + d * H + cols, y, mask=hmask)
+
+
+@triton.jit
+def zero_rows_kernel(
+    out_ptr,  # (N, H), contiguous
+    written_ptr,  # (N,) int8: 1 where some token wrote the row
+    N,
+    H,
+    BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """Zero the rows nothing was written to (padding, and rows past the routed count)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    rmask = rows < N
+    w = tl.load(written_ptr + rows, mask=rmask, other=1)
+    todo = rmask & (w == 0)
+    offs = rows.to(tl.int64)[:, None] * H + cols[None, :]
+    zero = tl.zeros((BLOCK_R, BLOCK_H), dtype=out_ptr.dtype.element_ty)
+    tl.store(out_ptr + offs, zero, mask=todo[:, None] & (cols < H)[None, :])
+
+
+@triton.jit
+def unpermute_gather_kernel(
+    inp_ptr,  # (N, H) any float dtype, contiguous
+    out_ptr,  # (T, H) output dtype, contiguous
+    map_ptr,  # (T, 2S+1) int32
+    w_ptr,  # (T, P) merging weights, row stride stride_w (read only if HAS_W)
+    H,
+    S,
+    stride_w,
+    HAS_W: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """out[t] = sum over t's rows of inp[row] (* weight), accumulated in fp32 in row order."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = cols < H
+    mrow = map_ptr + t * (2 * S + 1)
+    n = tl.load(mrow + 2 * S)
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for s in range(0, n):
+        d = tl.load(mrow + s).to(tl.int64)
+        x = tl.load(inp_ptr + d * H + cols, mask=hmask, other=0.0).to(tl.float32)
+        if HAS_W:
+            c = tl.load(mrow + S + s)
+            acc += x * tl.load(w_ptr + t * stride_w + c).to(tl.float32)
+        else:
+            acc += x
+    tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=hmask)
+
+
+@triton.jit
+def merge_weight_grad_kernel(
+    grad_ptr,  # (T, H) gradient of the merged output, contiguous
+    inp_ptr,  # (N, H) forward input of the merge, contiguous
+    map_ptr,  # (T, 2S+1) int32
+    gw_ptr,  # (T, P) fp32 output, zero-initialized, row stride stride_gw
+    H,
+    S,
+    stride_gw,
+    BLOCK_H: tl.constexpr,
+):
+    """d weight[t, c] = <grad[t], inp[row]> in fp32, in a fixed order (deterministic)."""
+    t = tl.program_id(0).to(tl.int64)
+    mrow = map_ptr + t * (2 * S + 1)
+    n = tl.load(mrow + 2 * S)
+    for s in range(0, n):
+        d = tl.load(mrow + s).to(tl.int64)
+        c = tl.load(mrow + S + s)
+        acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+        for h0 in range(0, H, BLOCK_H):
+            cols = h0 + tl.arange(0, BLOCK_H)
+            hmask = cols < H
+            g = tl.load(grad_ptr + t * H + cols, mask=hmask, other=0.0).to(tl.float32)
+            x = tl.load(inp_ptr + d * H + cols, mask=hmask, other=0.0).to(tl.float32)
+            acc += g * x
+        tl.store(gw_ptr + t * stride_gw + c, tl.sum(acc, axis=0))
+
+
+@triton.jit
+def gather_rows_kernel(
+    inp_ptr,  # (R_in, H) any dtype, row stride stride_in
+    out_ptr,  # (R, H) same dtype, contiguous
+    src_ptr,  # (R,) int64 source row of each output row
+    R,
+    H,
+    stride_in,
+    BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """out[r] = inp[src[r]]: each row read once and written once."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    rmask = rows < R
+    src = tl.load(src_ptr + rows, mask=rmask, other=0)
+    m = rmask[:, None] & (cols < H)[None, :]
+    x = tl.load(inp_ptr + src[:, None] * stride_in + cols[None, :], mask=m)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * H + cols[None, :], x, mask=m)

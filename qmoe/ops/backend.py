@@ -1,0 +1,165 @@
+"""Row movement primitives behind the custom ops: Triton on CUDA, vectorized torch on CPU.
+
+Glossary: T tokens, H hidden, S map slots per token, N output rows, P probs columns.
+Each primitive takes ``use_triton`` (default: ``x.is_cuda``); tests pass ``True`` on CPU
+under ``TRITON_INTERPRET=1`` to run the real kernels. No primitive syncs with the host
+on CUDA, and none keeps state between calls: every temporary comes from the caching
+allocator on the input's device.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from qmoe.ops.row_id_map import num_slots
+
+
+def _block_h(h: int) -> int:
+    return max(16, min(1024, triton.next_power_of_2(max(h, 1))))
+
+
+def _routes(rid: torch.Tensor):
+    """(token, row, probs column) of every kept route, token-major then row order."""
+    s = num_slots(rid)
+    dst = rid[:, :s]
+    valid = dst >= 0
+    tok = torch.arange(rid.shape[0], device=rid.device)[:, None].expand(-1, s)
+    return tok[valid], dst[valid].long(), rid[:, s : 2 * s][valid].long()
+
+
+def written_rows(rid: torch.Tensor, n: int) -> torch.Tensor:
+    """``[N]`` int8: 1 for rows some route writes. One scatter, no host sync."""
+    s = num_slots(rid)
+    dst = rid[:, :s].reshape(-1).long()
+    w = torch.zeros(n + 1, dtype=torch.int8, device=rid.device)
+    w.index_fill_(0, torch.where(dst >= 0, dst, n), 1)  # unused slots hit the scratch row
+    return w[:n]
+
+
+def permute_rows(
+    x: torch.Tensor,
+    rid: torch.Tensor,
+    n: int,
+    weights: torch.Tensor | None = None,
+    *,
+    use_triton: bool | None = None,
+) -> torch.Tensor:
+    """``out [N, H]``: each token's row (times ``weights[t, col]`` if given) at its rows;
+    rows no route writes are zero. ``x`` ``[T, H]``, ``weights`` ``[T, P]`` float."""
+    t, h = x.shape
+    use_triton = x.is_cuda if use_triton is None else use_triton
+    if not use_triton:
+        out = torch.zeros(n, h, dtype=x.dtype, device=x.device)
+        tok, row, col = _routes(rid)
+        val = x[tok]
+        if weights is not None:
+            val = (val.float() * weights[tok, col].float()[:, None]).to(x.dtype)
+        out[row] = val
+        return out
+    from qmoe.ops._kernels.permute import permute_scatter_kernel, zero_rows_kernel
+
+    out = torch.empty(n, h, dtype=x.dtype, device=x.device)
+    if n == 0 or h == 0:
+        return out
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    bh = _block_h(h)
+    if t > 0:
+        w = weights if weights is not None else x
+        permute_scatter_kernel[(t, triton.cdiv(h, bh))](
+            x, out, rid, w, h, num_slots(rid), x.stride(0), w.stride(0),
+            HAS_W=weights is not None, BLOCK_H=bh, num_warps=4,
+        )
+    br = max(1, 4096 // bh)
+    zero_rows_kernel[(triton.cdiv(n, br), triton.cdiv(h, bh))](
+        out, written_rows(rid, n), n, h, BLOCK_R=br, BLOCK_H=bh, num_warps=4
+    )
+    return out
+
+
+def unpermute_rows(
+    x: torch.Tensor,
+    rid: torch.Tensor,
+    weights: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    *,
+    use_triton: bool | None = None,
+) -> torch.Tensor:
+    """``out [T, H]``: sum of each token's rows of ``x`` ``[N, H]`` (times ``weights[t,
+    col]``), accumulated in fp32 in row order, returned in ``out_dtype`` (default x's)."""
+    t = rid.shape[0]
+    h = x.shape[1]
+    out_dtype = out_dtype or x.dtype
+    use_triton = x.is_cuda if use_triton is None else use_triton
+    if not use_triton:
+        acc = torch.zeros(t, h, dtype=torch.float32, device=x.device)
+        tok, row, col = _routes(rid)
+        val = x[row].float()
+        if weights is not None:
+            val = val * weights[tok, col].float()[:, None]
+        acc.index_add_(0, tok, val)
+        return acc.to(out_dtype)
+    from qmoe.ops._kernels.permute import unpermute_gather_kernel
+
+    out = torch.empty(t, h, dtype=out_dtype, device=x.device)
+    if t == 0 or h == 0:
+        return out
+    x = x.contiguous()
+    bh = _block_h(h)
+    w = weights if weights is not None else x
+    unpermute_gather_kernel[(t, triton.cdiv(h, bh))](
+        x, out, rid, w, h, num_slots(rid), w.stride(0),
+        HAS_W=weights is not None, BLOCK_H=bh, num_warps=4,
+    )
+    return out
+
+
+def merge_weight_grad(
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    rid: torch.Tensor,
+    p: int,
+    *,
+    use_triton: bool | None = None,
+) -> torch.Tensor:
+    """``[T, P]`` fp32: ``<grad[t], x[row]>`` for each kept route, zero elsewhere."""
+    t, h = grad.shape
+    use_triton = grad.is_cuda if use_triton is None else use_triton
+    gw = torch.zeros(t, p, dtype=torch.float32, device=grad.device)
+    if not use_triton:
+        tok, row, col = _routes(rid)
+        gw[tok, col] = (grad[tok].float() * x[row].float()).sum(1)
+        return gw
+    from qmoe.ops._kernels.permute import merge_weight_grad_kernel
+
+    if t == 0 or p == 0:
+        return gw
+    merge_weight_grad_kernel[(t,)](
+        grad.contiguous(), x.contiguous(), rid, gw, h, num_slots(rid), gw.stride(0),
+        BLOCK_H=min(1024, _block_h(h)), num_warps=4,
+    )
+    return gw
+
+
+def gather_rows(
+    x: torch.Tensor, src: torch.Tensor, *, use_triton: bool | None = None
+) -> torch.Tensor:
+    """``out[r] = x[src[r]]`` for ``src`` ``[R]`` int64 (all in range)."""
+    use_triton = x.is_cuda if use_triton is None else use_triton
+    if not use_triton:
+        return x.index_select(0, src)
+    from qmoe.ops._kernels.permute import gather_rows_kernel
+
+    r, h = src.shape[0], x.shape[1]
+    out = torch.empty(r, h, dtype=x.dtype, device=x.device)
+    if r == 0 or h == 0:
+        return out
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    bh = _block_h(h)
+    br = max(1, 4096 // bh)
+    gather_rows_kernel[(triton.cdiv(r, br), triton.cdiv(h, bh))](
+        x, out, src, r, h, x.stride(0), BLOCK_R=br, BLOCK_H=bh, num_warps=4
+    )
+    return out

@@ -1,0 +1,238 @@
+"""``moe_permute`` and friends: group token rows by expert (``qmoe::permute``).
+
+Glossary: T tokens, E experts, K top-k slots, H hidden, N output rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qmoe.ops import _checks as C
+from qmoe.ops.backend import permute_rows
+from qmoe.ops.row_id_map import num_slots
+
+__all__ = ["moe_permute", "moe_permute_with_probs", "moe_permute_and_pad_with_probs"]
+
+
+def _permute_probs(probs: torch.Tensor, rid: torch.Tensor, n: int) -> torch.Tensor:
+    """``[N]``: ``probs[t, col]`` at each kept route's row, zero elsewhere. No host sync."""
+    s = num_slots(rid)
+    dst = rid[:, :s].long()
+    vals = probs.gather(1, rid[:, s : 2 * s].long().clamp(min=0))
+    out = torch.zeros(n + 1, dtype=probs.dtype, device=probs.device)
+    out.index_put_((torch.where(dst >= 0, dst, n).reshape(-1),), vals.reshape(-1))
+    return out[:n]
+
+
+@torch.library.custom_op("qmoe::permute", mutates_args=())
+def _permute(
+    inp: torch.Tensor, row_id_map: torch.Tensor, probs: torch.Tensor | None, num_out_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    out = permute_rows(inp, row_id_map, num_out_tokens)
+    if probs is None:
+        return out, inp.new_empty(0)
+    return out, _permute_probs(probs, row_id_map, num_out_tokens)
+
+
+@_permute.register_fake
+def _(inp, row_id_map, probs, num_out_tokens):
+    out = inp.new_empty((num_out_tokens, inp.shape[1]))
+    if probs is None:
+        return out, inp.new_empty(0)
+    return out, probs.new_empty((num_out_tokens,))
+
+
+def _setup(ctx, inputs, output):
+    inp, row_id_map, probs, _ = inputs
+    ctx.save_for_backward(row_id_map)
+    ctx.probs_shape = None if probs is None else (tuple(probs.shape), probs.dtype)
+
+
+def _backward(ctx, grad_out, grad_probs):
+    (rid,) = ctx.saved_tensors
+    grad_inp = torch.ops.qmoe.unpermute(grad_out.contiguous(), rid, None)
+    gp = None
+    if ctx.probs_shape is not None and grad_probs is not None:
+        (t, p), dtype = ctx.probs_shape
+        s = num_slots(rid)
+        dst = rid[:, :s].long()
+        vals = torch.where(dst >= 0, grad_probs[dst.clamp(min=0)] if grad_probs.numel() else 0, 0)
+        gp = torch.zeros(t, p + 1, dtype=dtype, device=rid.device)
+        cols = torch.where(dst >= 0, rid[:, s : 2 * s].long(), p)  # unused slots: scratch col
+        gp.scatter_(1, cols, vals.to(dtype))
+        gp = gp[:, :p]
+    return grad_inp, None, gp, None
+
+
+_permute.register_autograd(_backward, setup_context=_setup)
+
+
+def _routed_count(fn, routing_map, map_type, num_experts, align_size) -> tuple[int, int]:
+    """(output rows, E) with one host sync; value checks ride on the same sync."""
+    rm = routing_map
+    if map_type == "index":
+        ids = rm.long()
+        stats = torch.stack([(ids >= 0).sum(), ids.min(), ids.max()]) if rm.numel() else None
+        count, lo, hi = stats.tolist() if stats is not None else (0, 0, -1)
+        if lo < -1:
+            raise ValueError(f"{fn}: routing_map holds expert id {lo}; ids must be in [-1, E)")
+        if num_experts is not None and hi >= num_experts:
+            raise ValueError(
+                f"{fn}: routing_map holds expert id {hi} but num_experts={num_experts}"
+            )
+        return count, -1
+    counts = (rm != 0).sum(0)
+    if align_size > 1:
+        counts = (counts + align_size - 1) // align_size * align_size
+    return int(counts.sum()), rm.shape[1]
+
+
+def _check_index_ids(fn, routing_map, num_experts) -> None:
+    """Sync-free form of the id checks (async assert on CUDA)."""
+    if routing_map.numel() == 0:
+        return
+    C.check_values(fn, routing_map.min() >= -1, "routing_map ids must be >= -1")
+    if num_experts is not None:
+        C.check_values(
+            fn, routing_map.max() < num_experts, f"routing_map ids must be < num_experts={num_experts}"
+        )
+
+
+def _prepare(fn, inp, routing_map, map_type, num_out_tokens, num_experts, align_size=1):
+    C.check_input(fn, inp)
+    C.check_routing_map(fn, inp, routing_map, map_type)
+    if num_experts is not None and (not isinstance(num_experts, int) or num_experts < 1):
+        raise ValueError(f"{fn}: num_experts must be a positive int, got {num_experts!r}")
+    n = C.check_num_out_tokens(fn, num_out_tokens)
+    if n is None:
+        if C.is_compiling():
+            raise ValueError(
+                f"{fn}: under torch.compile pass num_out_tokens (an int bound, e.g. T*K): "
+                "counting the routed rows needs a host sync"
+            )
+        n, _ = _routed_count(fn, routing_map, map_type, num_experts, align_size)
+    elif map_type == "index":
+        _check_index_ids(fn, routing_map, num_experts)
+    rid = torch.ops.qmoe.make_row_id_map(routing_map, n, map_type == "index", align_size)
+    return rid, n
+
+
+def moe_permute(
+    inp: torch.Tensor,
+    routing_map: torch.Tensor,
+    num_out_tokens: int | None = None,
+    max_token_num: int = -1,
+    map_type: str = "mask",
+    *,
+    num_experts: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group the rows of ``inp`` by expert: ``(output, row_id_map)``.
+
+    Args:
+        inp: ``[T, H]`` fp32/bf16/fp16.
+        routing_map: ``map_type="mask"``: ``[T, E]`` bool or integer, nonzero = routed.
+            ``map_type="index"``: ``[T, K]`` integer expert ids in ``[-1, E)``; ``-1`` is
+            "not routed" (the expert-parallel sentinel).
+        num_out_tokens: rows of the output, N. ``None`` (or ``-1``, TransformerEngine's
+            old default) means all routed rows, counted with **one host sync**. An int
+            makes the call sync-free: routes whose row would be ``>= N`` are dropped
+            (never written, and zero in unpermute and the backward) and rows no route
+            fills are zero, so a fixed-size buffer is always safe.
+        max_token_num: accepted for TransformerEngine compatibility; qmoe keeps no
+            workspace, so it is unused.
+        map_type: ``"mask"`` or ``"index"``.
+        num_experts: index maps only: ids ``>= num_experts`` raise. Ids below ``-1``
+            always raise (a ``ValueError`` on the syncing path and on CPU; an async device
+            assert on the sync-free CUDA path).
+
+    Returns:
+        ``output`` ``[N, H]`` in ``inp.dtype``: expert-major, token-minor (all rows of
+        expert 0 in token order, then expert 1, ...); and ``row_id_map`` ``[T, 2*S + 1]``
+        int32 (S = E or K), which ``moe_unpermute`` takes back. Mask and index maps of the
+        same routing give the same output. Differentiable in ``inp``.
+    """
+    del max_token_num
+    rid, n = _prepare("moe_permute", inp, routing_map, map_type, num_out_tokens, num_experts)
+    out, _ = torch.ops.qmoe.permute(inp, rid, None, n)
+    return out, rid
+
+
+def moe_permute_with_probs(
+    inp: torch.Tensor,
+    probs: torch.Tensor,
+    routing_map: torch.Tensor,
+    num_out_tokens: int | None = None,
+    *,
+    map_type: str = "mask",
+    num_experts: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``moe_permute`` that also permutes ``probs``: ``(output, permuted_probs, row_id_map)``.
+
+    ``probs`` is ``[T, E]`` (mask map) or ``[T, K]`` (index map), float. ``permuted_probs``
+    is ``[N]`` in ``probs.dtype``: the prob of each output row's route (zero on rows no
+    route fills). Differentiable in ``inp`` and ``probs``. Host sync as in ``moe_permute``.
+    """
+    fn = "moe_permute_with_probs"
+    rid, n = _prepare(fn, inp, routing_map, map_type, num_out_tokens, num_experts)
+    C.check_probs(fn, "probs", probs, inp.shape[0], routing_map.shape[1], inp,
+                  "E" if map_type == "mask" else "K")
+    if probs is None:
+        raise TypeError(f"{fn}: probs is required; use moe_permute without probs")
+    out, pp = torch.ops.qmoe.permute(inp, rid, probs, n)
+    return out, pp, rid
+
+
+def moe_permute_and_pad_with_probs(
+    inp: torch.Tensor,
+    probs: torch.Tensor,
+    routing_map: torch.Tensor,
+    tokens_per_expert: torch.Tensor | None,
+    align_size: int,
+    *,
+    num_out_tokens: int | None = None,
+):
+    """Permute with each expert's group padded to a multiple of ``align_size`` (mask map).
+
+    Returns ``(output [N, H], permuted_probs [N], row_id_map, pad_offsets [E] int64 or
+    None, target_tokens_per_expert [E] int64)``. Padding rows sit at the end of each
+    expert's group; their data and probs are zero. ``pad_offsets[e]`` is the padding
+    before expert e's group (exclusive cumsum), as TransformerEngine defines it.
+
+    Two forms:
+
+    * TransformerEngine's (``num_out_tokens=None``): N is the padded total, counted with
+      **one host sync**; ``tokens_per_expert`` (``[E]``, must equal ``routing_map``'s
+      column counts, checked on the same sync) may also be ``None``; ``pad_offsets`` is
+      ``None`` when no group needed padding.
+    * Sync-free (``num_out_tokens=<upper bound>``, works under ``fullgraph=True`` and CUDA
+      graph capture): N is the bound, rows past the padded total are zero, rows past N
+      are dropped, and ``pad_offsets`` is always a tensor.
+    """
+    fn = "moe_permute_and_pad_with_probs"
+    if isinstance(align_size, bool) or not isinstance(align_size, int) or align_size < 1:
+        raise ValueError(f"{fn}: align_size must be a positive int, got {align_size!r}")
+    rid, n = _prepare(fn, inp, routing_map, "mask", num_out_tokens, None, align_size)
+    C.check_probs(fn, "probs", probs, inp.shape[0], routing_map.shape[1], inp, "E")
+    counts = (routing_map != 0).sum(0)
+    target = (counts + align_size - 1) // align_size * align_size
+    pads = target - counts
+    pad_offsets = torch.cumsum(pads, 0) - pads
+    if tokens_per_expert is not None:
+        C.check_tensor(fn, "tokens_per_expert", tokens_per_expert, ndim=1)
+        if tokens_per_expert.shape[0] != routing_map.shape[1]:
+            raise ValueError(
+                f"{fn}: tokens_per_expert must be [E] = [{routing_map.shape[1]}], got "
+                f"{tuple(tokens_per_expert.shape)}"
+            )
+    if num_out_tokens is None:  # TransformerEngine's form: it synced already, check too
+        if tokens_per_expert is not None and not torch.equal(
+            tokens_per_expert.to(counts.device).long(), counts
+        ):
+            raise ValueError(
+                f"{fn}: tokens_per_expert does not match routing_map's column counts; pass "
+                "routing_map.sum(0) (or None)"
+            )
+        if not bool(pads.any()):
+            pad_offsets = None
+    out, pp = torch.ops.qmoe.permute(inp, rid, probs, n)
+    return out, pp, rid, pad_offsets, target

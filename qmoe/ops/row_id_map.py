@@ -1,0 +1,94 @@
+"""qmoe's ``row_id_map``: where each token's routed copies live in the permuted output.
+
+Glossary: T tokens, E experts, K top-k slots, S slots per token (E for a mask map, K for
+an index map), N output rows.
+
+Format: ``int32`` ``[T, 2*S + 1]``. For token ``t``, with ``n = row_id_map[t, 2*S]``:
+
+* ``row_id_map[t, :n]``: the output rows of its kept routes, ascending (so in expert order);
+* ``row_id_map[t, S:S+n]``: for each of them, the column of ``probs`` / ``merging_probs``
+  that weights it (the expert for a mask map, the slot k for an index map);
+* every other entry of the first ``2*S`` columns is ``-1``.
+
+Rows are expert-major and token-minor: ``row(t, e) = start[e] + #{t' < t routed to e}``
+with ``start[e]`` the rows of all lower experts (padded to ``align_size`` when asked).
+Routes whose row would be ``>= num_out_tokens`` are dropped: they are absent from the map,
+so nothing ever writes past the output. T is ``row_id_map.shape[0]``.
+
+The map is built on the input's device with a handful of linear passes (cumulative sums
+over ``[T, S]`` and, for index maps, one stable sort of the ``T*K`` expert ids); there is
+no host sync and no workspace kept between calls.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _compact(dst: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
+    """Pack the valid (``dst >= 0``) entries of each row first, keeping their order."""
+    t, s = dst.shape
+    valid = dst >= 0
+    slot = torch.cumsum(valid, dim=1, dtype=torch.int32) - 1
+    slot = torch.where(valid, slot, s)  # invalid entries land in a scratch column
+    out = torch.full((t, 2 * s + 2), -1, dtype=torch.int32, device=dst.device)
+    out[:, : s + 1].scatter_(1, slot.long(), torch.where(valid, dst, -1))
+    out[:, s + 1 : 2 * s + 2].scatter_(1, slot.long(), torch.where(valid, col, -1))
+    rid = torch.cat(
+        [out[:, :s], out[:, s + 1 : 2 * s + 1], valid.sum(1, dtype=torch.int32)[:, None]], dim=1
+    )
+    return rid.contiguous()
+
+
+def _mask_rows(routing_map: torch.Tensor, num_out_tokens: int, align_size: int) -> torch.Tensor:
+    m = routing_map != 0  # (T, E)
+    mi = m.to(torch.int32)
+    counts = mi.sum(0, dtype=torch.int32)  # (E,)
+    if align_size > 1:
+        counts = (counts + (align_size - 1)) // align_size * align_size
+    start = torch.cumsum(counts, 0, dtype=torch.int32) - counts  # exclusive
+    rank = torch.cumsum(mi, 0, dtype=torch.int32) - 1
+    dst = torch.where(m & (start + rank < num_out_tokens), start + rank, -1)
+    col = torch.arange(m.shape[1], dtype=torch.int32, device=m.device).expand_as(dst)
+    return _compact(dst, col)
+
+
+def _index_rows(routing_map: torch.Tensor, num_out_tokens: int) -> torch.Tensor:
+    t, k = routing_map.shape
+    ids = routing_map.to(torch.int64)
+    valid = ids >= 0
+    # Stable sort by expert over (t, k)-ordered positions: expert-major, token-minor.
+    # Unrouted (-1) slots sort last, so a valid slot's rank is its output row.
+    key = torch.where(valid, ids, torch.iinfo(torch.int64).max).reshape(-1)
+    order = torch.sort(key, stable=True).indices
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(order.numel(), device=order.device)
+    rank = rank.view(t, k).to(torch.int32)
+    dst = torch.where(valid & (rank < num_out_tokens), rank, -1)
+    # Order each token's routes by output row (as the mask map has them), so merges sum
+    # in the same order whichever map describes the routing.
+    big = torch.iinfo(torch.int32).max
+    rows, slot = torch.sort(torch.where(dst >= 0, dst, big), dim=1)
+    dst = torch.where(rows == big, -1, rows)
+    col = torch.where(dst >= 0, slot.to(torch.int32), -1)
+    return _compact(dst, col)
+
+
+@torch.library.custom_op("qmoe::make_row_id_map", mutates_args=())
+def make_row_id_map(
+    routing_map: torch.Tensor, num_out_tokens: int, is_index: bool, align_size: int
+) -> torch.Tensor:
+    """Build the ``[T, 2*S + 1]`` int32 map (module docs) from a mask or index routing map."""
+    if is_index:
+        return _index_rows(routing_map, num_out_tokens)
+    return _mask_rows(routing_map, num_out_tokens, align_size)
+
+
+@make_row_id_map.register_fake
+def _(routing_map, num_out_tokens, is_index, align_size):
+    t, s = routing_map.shape
+    return routing_map.new_empty((t, 2 * s + 1), dtype=torch.int32)
+
+
+def num_slots(row_id_map: torch.Tensor) -> int:
+    return (row_id_map.shape[1] - 1) // 2

@@ -1,0 +1,121 @@
+"""``moe_sort_chunks_by_index``: reorder row chunks (``qmoe::sort_chunks``).
+
+Used after an expert-parallel all-to-all to regroup the received chunks by local expert.
+Glossary: T rows, H hidden, C chunks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qmoe.ops import _checks as C
+from qmoe.ops.backend import gather_rows
+
+
+def chunk_source_rows(split_sizes: torch.Tensor, sorted_index: torch.Tensor, t: int) -> torch.Tensor:
+    """``src [T]`` int64: output row r reads input row ``src[r]``. Device ops only.
+
+    Chunk ``sorted_index[j]`` is emitted j-th; rows past ``sum(split_sizes)`` stay put.
+    """
+    dev = split_sizes.device
+    r = torch.arange(t, device=dev)
+    c = split_sizes.numel()
+    if c == 0:
+        return r
+    sizes = split_sizes.long()
+    in_start = torch.cumsum(sizes, 0) - sizes
+    idx = sorted_index.long()
+    out_end = torch.cumsum(sizes[idx], 0)
+    j = torch.searchsorted(out_end, r, right=True)  # position of row r's chunk
+    jc = j.clamp(max=c - 1)
+    src = in_start[idx[jc]] + r - (out_end[jc] - sizes[idx[jc]])
+    # Past the sorted chunks rows stay in place; the clamp keeps even inconsistent input
+    # (sizes summing past T) inside the tensor.
+    return torch.where(j < c, src, r).clamp(0, max(t - 1, 0))
+
+
+@torch.library.custom_op("qmoe::sort_chunks", mutates_args=())
+def _sort_chunks(
+    inp: torch.Tensor,
+    split_sizes: torch.Tensor,
+    sorted_index: torch.Tensor,
+    probs: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    src = chunk_source_rows(split_sizes, sorted_index, inp.shape[0])
+    out = gather_rows(inp, src)
+    return out, (probs.index_select(0, src) if probs is not None else inp.new_empty(0))
+
+
+@_sort_chunks.register_fake
+def _(inp, split_sizes, sorted_index, probs):
+    return torch.empty_like(inp), (torch.empty_like(probs) if probs is not None else inp.new_empty(0))
+
+
+def _setup(ctx, inputs, output):
+    inp, split_sizes, sorted_index, probs = inputs
+    ctx.save_for_backward(split_sizes, sorted_index)
+    ctx.has_probs = probs is not None
+
+
+def _backward(ctx, grad_out, grad_probs):
+    split_sizes, sorted_index = ctx.saved_tensors
+    t = grad_out.shape[0]
+    src = chunk_source_rows(split_sizes, sorted_index, t)
+    # The inverse movement; index_add keeps it right even if sorted_index repeats a chunk.
+    gi = torch.zeros(grad_out.shape, dtype=torch.float32, device=grad_out.device)
+    gi = gi.index_add(0, src, grad_out.float()).to(grad_out.dtype)
+    gp = None
+    if ctx.has_probs and grad_probs is not None:
+        gp = torch.zeros(t, dtype=torch.float32, device=grad_probs.device)
+        gp = gp.index_add(0, src, grad_probs.float()).to(grad_probs.dtype)
+    return gi, None, None, gp
+
+
+_sort_chunks.register_autograd(_backward, setup_context=_setup)
+
+
+def _check(fn, inp, split_sizes, sorted_index, probs):
+    C.check_input(fn, inp)
+    C.check_tensor(fn, "split_sizes", split_sizes, ndim=1, dtypes=C._INTS[:4])
+    C.check_tensor(fn, "sorted_index", sorted_index, ndim=1, dtypes=C._INTS[:4])
+    if split_sizes.shape != sorted_index.shape:
+        raise ValueError(
+            f"{fn}: split_sizes and sorted_index must both be [C]; got "
+            f"{tuple(split_sizes.shape)} and {tuple(sorted_index.shape)}"
+        )
+    C.check_same_device(fn, "inp", inp, split_sizes=split_sizes, sorted_index=sorted_index)
+    if probs is not None:
+        C.check_tensor(fn, "probs", probs, ndim=1, dtypes=C._FLOATS)
+        if probs.shape[0] != inp.shape[0]:
+            raise ValueError(f"{fn}: probs must be [T] = [{inp.shape[0]}], got {tuple(probs.shape)}")
+        C.check_same_device(fn, "inp", inp, probs=probs)
+    if split_sizes.numel():
+        c = split_sizes.numel()
+        C.check_values(fn, split_sizes.min() >= 0, "split_sizes must be >= 0")
+        C.check_values(fn, split_sizes.sum() <= inp.shape[0],
+                       f"split_sizes must sum to at most T={inp.shape[0]}")
+        C.check_values(fn, (sorted_index.min() >= 0) & (sorted_index.max() < c),
+                       f"sorted_index entries must be in [0, {c})")
+
+
+def moe_sort_chunks_by_index(
+    inp: torch.Tensor, split_sizes: torch.Tensor, sorted_index: torch.Tensor
+) -> torch.Tensor:
+    """Split ``inp`` ``[T, H]`` along dim 0 by ``split_sizes`` (``[C]`` int tensor) and
+    emit the chunks in the order ``sorted_index`` (``[C]``: chunk ``sorted_index[j]``
+    goes j-th). Rows past ``sum(split_sizes)`` stay in place. Returns ``[T, H]``.
+
+    ``split_sizes`` and ``sorted_index`` are never read on the host: no sync on CUDA
+    (value checks there are async device asserts). Differentiable in ``inp``.
+    """
+    _check("moe_sort_chunks_by_index", inp, split_sizes, sorted_index, None)
+    return torch.ops.qmoe.sort_chunks(inp, split_sizes, sorted_index, None)[0]
+
+
+def moe_sort_chunks_by_index_with_probs(
+    inp: torch.Tensor, probs: torch.Tensor, split_sizes: torch.Tensor, sorted_index: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``moe_sort_chunks_by_index`` that moves ``probs`` (``[T]`` float) along:
+    ``(output [T, H], permuted_probs [T])``. Differentiable in ``inp`` and ``probs``."""
+    _check("moe_sort_chunks_by_index_with_probs", inp, split_sizes, sorted_index, probs)
+    return torch.ops.qmoe.sort_chunks(inp, split_sizes, sorted_index, probs)

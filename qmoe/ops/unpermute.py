@@ -1,0 +1,127 @@
+"""``moe_unpermute``: merge the permuted rows back into tokens (``qmoe::unpermute``)."""
+
+from __future__ import annotations
+
+import torch
+
+from qmoe.ops import _checks as C
+from qmoe.ops.backend import merge_weight_grad, permute_rows, unpermute_rows
+from qmoe.ops.row_id_map import num_slots
+
+
+@torch.library.custom_op("qmoe::unpermute", mutates_args=())
+def _unpermute(
+    inp: torch.Tensor, row_id_map: torch.Tensor, merging_probs: torch.Tensor | None
+) -> torch.Tensor:
+    return unpermute_rows(inp, row_id_map, merging_probs)
+
+
+@_unpermute.register_fake
+def _(inp, row_id_map, merging_probs):
+    return inp.new_empty((row_id_map.shape[0], inp.shape[1]))
+
+
+@torch.library.custom_op("qmoe::unpermute_backward", mutates_args=())
+def _unpermute_backward(
+    grad_out: torch.Tensor,
+    row_id_map: torch.Tensor,
+    merging_probs: torch.Tensor | None,
+    fwd_inp: torch.Tensor | None,
+    num_rows: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``grad_inp [N, H]`` (grad_out[t] * weight at each of t's rows, zero on rows no
+    token reads) and ``grad_merging_probs [T, P]`` (``<grad_out[t], inp[row]>``, fp32
+    accumulation; empty without merging_probs)."""
+    grad_inp = permute_rows(grad_out, row_id_map, num_rows, merging_probs)
+    if merging_probs is None or fwd_inp is None:
+        return grad_inp, grad_out.new_empty(0)
+    gw = merge_weight_grad(grad_out, fwd_inp, row_id_map, merging_probs.shape[1])
+    return grad_inp, gw.to(merging_probs.dtype)
+
+
+@_unpermute_backward.register_fake
+def _(grad_out, row_id_map, merging_probs, fwd_inp, num_rows):
+    gi = grad_out.new_empty((num_rows, grad_out.shape[1]))
+    if merging_probs is None or fwd_inp is None:
+        return gi, grad_out.new_empty(0)
+    return gi, merging_probs.new_empty(merging_probs.shape)
+
+
+def _setup(ctx, inputs, output):
+    inp, row_id_map, merging_probs = inputs
+    ctx.num_rows = inp.shape[0]
+    ctx.inp_dtype = inp.dtype
+    need_w = merging_probs is not None and merging_probs.requires_grad
+    ctx.save_for_backward(row_id_map, merging_probs, inp if need_w else None)
+
+
+def _backward(ctx, grad):
+    row_id_map, merging_probs, fwd_inp = ctx.saved_tensors
+    gi, gw = torch.ops.qmoe.unpermute_backward(
+        grad.contiguous(), row_id_map, merging_probs, fwd_inp, ctx.num_rows
+    )
+    return gi.to(ctx.inp_dtype), None, (gw if fwd_inp is not None else None)
+
+
+_unpermute.register_autograd(_backward, setup_context=_setup)
+
+
+def moe_unpermute(
+    inp: torch.Tensor,
+    row_id_map: torch.Tensor,
+    merging_probs: torch.Tensor | None = None,
+    restore_shape: torch.Size | tuple[int, int] | None = None,
+    map_type: str = "mask",
+    probs: torch.Tensor | None = None,
+    pad_offsets: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Merge permuted rows back into tokens: ``out[t] = sum_r inp[r] * w(t, r)``.
+
+    Args:
+        inp: ``[N, H]`` fp32/bf16/fp16, the (expert-processed) output of a permute.
+        row_id_map: ``[T, 2*S + 1]`` int32 from ``moe_permute*``; T comes from it.
+        merging_probs: optional ``[T, E]`` (mask map) or ``[T, K]`` (index map) float
+            weights; without it each kept route counts once.
+        restore_shape: optional ``(T, H)``; checked against the map, never needed.
+        map_type: ``"mask"`` or ``"index"``, as given to the permute (the map itself
+            carries the probs columns, so this is only validated).
+        probs: TransformerEngine's deprecated alias of ``merging_probs``.
+        pad_offsets: accepted for TransformerEngine call compatibility and ignored: the
+            map of ``moe_permute_and_pad_with_probs`` already holds padded rows.
+
+    Returns ``[T, H]`` in ``inp.dtype``, accumulated in fp32 (rows in ascending order).
+    Dropped routes and padding rows are never read; a token with no kept route gets
+    zeros. No host sync. Differentiable in ``inp`` and ``merging_probs``.
+    """
+    fn = "moe_unpermute"
+    if probs is not None:
+        if merging_probs is not None:
+            raise ValueError(f"{fn}: pass merging_probs or probs (its old name), not both")
+        merging_probs = probs
+    C.check_input(fn, inp)
+    C.check_tensor(fn, "row_id_map", row_id_map, ndim=2, dtypes=(torch.int32,),
+                   fix="pass the row_id_map returned by qmoe.moe_permute*")
+    if row_id_map.shape[1] % 2 != 1:
+        raise ValueError(f"{fn}: row_id_map must be [T, 2*S + 1], got {tuple(row_id_map.shape)}")
+    if map_type not in ("mask", "index"):
+        raise ValueError(f"{fn}: map_type must be 'mask' or 'index', got {map_type!r}")
+    C.check_same_device(fn, "inp", inp, row_id_map=row_id_map, merging_probs=merging_probs)
+    t = row_id_map.shape[0]
+    if restore_shape is not None and tuple(restore_shape) != (t, inp.shape[1]):
+        raise ValueError(
+            f"{fn}: restore_shape {tuple(restore_shape)} does not match the map's T={t} and "
+            f"inp's H={inp.shape[1]}; omit it (qmoe recovers T from row_id_map)"
+        )
+    if merging_probs is not None:
+        C.check_tensor(fn, "merging_probs", merging_probs, ndim=2, dtypes=C._FLOATS)
+        if merging_probs.shape[0] != t or merging_probs.shape[1] < 1:
+            raise ValueError(
+                f"{fn}: merging_probs must be [T, E] or [T, K] with T={t}, got "
+                f"{tuple(merging_probs.shape)}"
+            )
+        if merging_probs.shape[1] != num_slots(row_id_map):
+            raise ValueError(
+                f"{fn}: merging_probs has {merging_probs.shape[1]} columns but the map was "
+                f"built for {num_slots(row_id_map)} (E for a mask map, K for an index map)"
+            )
+    return torch.ops.qmoe.unpermute(inp, row_id_map, merging_probs)
