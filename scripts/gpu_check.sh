@@ -13,6 +13,7 @@ unset TRITON_INTERPRET
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
 } 2>&1 | tee "$OUT/env.txt"
 K=${1:-}
+export QMOE_GPU_CHECK=1
 python3 -m pytest tests -q -p no:cacheprovider ${K:+-k "$K"} 2>&1 | tee "$OUT/tests.log" | tail -25
 echo "pytest rc=${PIPESTATUS[0]}" | tee -a "$OUT/tests.log"
 for b in benchmarks/bench_*.py; do

@@ -18,9 +18,8 @@ def check_tensor(fn: str, name: str, x, *, ndim: int | None = None, dtypes=None,
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(x).__name__}")
     if ndim is not None and x.dim() != ndim:
-        raise ValueError(
-            f"{fn}: {name} must be {ndim}-d, got shape {tuple(x.shape)}" + (f"; {fix}" if fix else "")
-        )
+        hint = f"; {fix}" if fix else ""
+        raise ValueError(f"{fn}: {name} must be {ndim}-d, got shape {tuple(x.shape)}{hint}")
     if dtypes is not None and x.dtype not in dtypes:
         names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
         raise TypeError(f"{fn}: {name} must have dtype in ({names}), got {x.dtype}")

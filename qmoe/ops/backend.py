@@ -44,6 +44,7 @@ def permute_rows(
     weights: torch.Tensor | None = None,
     *,
     use_triton: bool | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``out [N, H]``: each token's row (times ``weights[t, col]`` if given) at its rows;
     rows no route writes are zero. ``x`` ``[T, H]``, ``weights`` ``[T, P]`` float."""
@@ -59,7 +60,8 @@ def permute_rows(
         return out
     from qmoe.ops._kernels.permute import permute_scatter_kernel, zero_rows_kernel
 
-    out = torch.empty(n, h, dtype=x.dtype, device=x.device)
+    if out is None:  # (tests pass a poisoned ``out`` to see every row gets written)
+        out = torch.empty(n, h, dtype=x.dtype, device=x.device)
     if n == 0 or h == 0:
         return out
     if x.stride(1) != 1:
@@ -85,6 +87,7 @@ def unpermute_rows(
     out_dtype: torch.dtype | None = None,
     *,
     use_triton: bool | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``out [T, H]``: sum of each token's rows of ``x`` ``[N, H]`` (times ``weights[t,
     col]``), accumulated in fp32 in row order, returned in ``out_dtype`` (default x's)."""
@@ -102,7 +105,8 @@ def unpermute_rows(
         return acc.to(out_dtype)
     from qmoe.ops._kernels.permute import unpermute_gather_kernel
 
-    out = torch.empty(t, h, dtype=out_dtype, device=x.device)
+    if out is None:
+        out = torch.empty(t, h, dtype=out_dtype, device=x.device)
     if t == 0 or h == 0:
         return out
     x = x.contiguous()
@@ -143,7 +147,11 @@ def merge_weight_grad(
 
 
 def gather_rows(
-    x: torch.Tensor, src: torch.Tensor, *, use_triton: bool | None = None
+    x: torch.Tensor,
+    src: torch.Tensor,
+    *,
+    use_triton: bool | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``out[r] = x[src[r]]`` for ``src`` ``[R]`` int64 (all in range)."""
     use_triton = x.is_cuda if use_triton is None else use_triton
@@ -152,7 +160,8 @@ def gather_rows(
     from qmoe.ops._kernels.permute import gather_rows_kernel
 
     r, h = src.shape[0], x.shape[1]
-    out = torch.empty(r, h, dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty(r, h, dtype=x.dtype, device=x.device)
     if r == 0 or h == 0:
         return out
     if x.stride(1) != 1:

@@ -93,9 +93,8 @@ def _check_index_ids(fn, routing_map, num_experts) -> None:
         return
     C.check_values(fn, routing_map.min() >= -1, "routing_map ids must be >= -1")
     if num_experts is not None:
-        C.check_values(
-            fn, routing_map.max() < num_experts, f"routing_map ids must be < num_experts={num_experts}"
-        )
+        msg = f"routing_map ids must be < num_experts={num_experts}"
+        C.check_values(fn, routing_map.max() < num_experts, msg)
 
 
 def _prepare(fn, inp, routing_map, map_type, num_out_tokens, num_experts, align_size=1):

@@ -12,7 +12,9 @@ from qmoe.ops import _checks as C
 from qmoe.ops.backend import gather_rows
 
 
-def chunk_source_rows(split_sizes: torch.Tensor, sorted_index: torch.Tensor, t: int) -> torch.Tensor:
+def chunk_source_rows(
+    split_sizes: torch.Tensor, sorted_index: torch.Tensor, t: int
+) -> torch.Tensor:
     """``src [T]`` int64: output row r reads input row ``src[r]``. Device ops only.
 
     Chunk ``sorted_index[j]`` is emitted j-th; rows past ``sum(split_sizes)`` stay put.
@@ -48,7 +50,8 @@ def _sort_chunks(
 
 @_sort_chunks.register_fake
 def _(inp, split_sizes, sorted_index, probs):
-    return torch.empty_like(inp), (torch.empty_like(probs) if probs is not None else inp.new_empty(0))
+    pp = torch.empty_like(probs) if probs is not None else inp.new_empty(0)
+    return torch.empty_like(inp), pp
 
 
 def _setup(ctx, inputs, output):
@@ -87,7 +90,9 @@ def _check(fn, inp, split_sizes, sorted_index, probs):
     if probs is not None:
         C.check_tensor(fn, "probs", probs, ndim=1, dtypes=C._FLOATS)
         if probs.shape[0] != inp.shape[0]:
-            raise ValueError(f"{fn}: probs must be [T] = [{inp.shape[0]}], got {tuple(probs.shape)}")
+            raise ValueError(
+                f"{fn}: probs must be [T] = [{inp.shape[0]}], got {tuple(probs.shape)}"
+            )
         C.check_same_device(fn, "inp", inp, probs=probs)
     if split_sizes.numel():
         c = split_sizes.numel()

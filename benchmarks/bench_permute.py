@@ -1,0 +1,126 @@
+"""Permutation ops: medians and % of measured copy bandwidth, next to plain PyTorch.
+
+    python benchmarks/bench_permute.py [--out results.json] [--configs dsv3,small]
+
+Bytes counted: read each input row once, write each output row once (bf16), plus the
+routing map, probs and row_id_map reads. "graph" times replay the call from a CUDA graph
+(GPU time; the % uses it), "eager" is the plain Python call. num_out_tokens is passed
+(T*K), so nothing syncs with the host. The plain-PyTorch path is argsort + index_select
+for permute and index_add_ (fp32) for the merge.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import (  # noqa: E402
+    copy_bandwidth_gbs,
+    env_info,
+    graph_median_ms,
+    median_ms,
+    write_json,
+)
+
+import qmoe  # noqa: E402
+
+CONFIGS = {  # name: (T, H, E, K)
+    "dsv3": (4096, 7168, 256, 8),
+    "qwen3": (16384, 4096, 128, 8),
+    "mixtral": (8192, 4096, 8, 2),
+    "gptoss": (8192, 2880, 128, 4),
+    "qwen3next": (16384, 2048, 512, 10),
+    "small": (256, 4096, 64, 8),
+}
+
+
+def torch_permute(x, ids, n):
+    t, k = ids.shape
+    order = torch.argsort(ids.reshape(-1), stable=True)[:n]
+    return x.index_select(0, order // k), order
+
+
+def torch_unpermute(y, order, w_flat, t, k):
+    acc = torch.zeros(t, y.shape[1], dtype=torch.float32, device=y.device)
+    acc.index_add_(0, order // k, y.float() * w_flat[order, None])
+    return acc.to(y.dtype)
+
+
+def run_config(name: str, copy_bw: float) -> list[dict]:
+    dev = "cuda"
+    rows = []
+    t, h, e, k = CONFIGS[name]
+    n = t * k
+    x = torch.randn(t, h, dtype=torch.bfloat16, device=dev)
+    ids = torch.rand(t, e, device=dev).argsort(dim=1)[:, :k].contiguous()
+    mask = torch.zeros(t, e, dtype=torch.bool, device=dev).scatter_(1, ids, True)
+    probs = torch.rand(t, e, device=dev)
+    probs_k = probs.gather(1, ids)
+    y = torch.randn(n, h, dtype=torch.bfloat16, device=dev)
+    g = torch.randn(t, h, dtype=torch.bfloat16, device=dev)
+    _, rid = qmoe.moe_permute(x, mask, n)
+    sizes = torch.full((e,), n // e, device=dev)
+    chunk_order = torch.randperm(e, device=dev)
+    _, order = torch_permute(x, ids, n)
+    row_bytes = h * 2
+    map_bytes = mask.numel() + rid.numel() * 4
+    move = (t + n) * row_bytes
+    cases = {
+        "permute(mask)": (lambda: qmoe.moe_permute(x, mask, n), move + map_bytes),
+        "permute(index)": (lambda: qmoe.moe_permute(x, ids, n, map_type="index"),
+                           move + ids.numel() * 8 + rid.numel() * 4),
+        "permute_with_probs(mask)": (lambda: qmoe.moe_permute_with_probs(x, probs, mask, n),
+                                     move + map_bytes + probs.numel() * 4),
+        "make_row_id_map(mask)": (
+            lambda: torch.ops.qmoe.make_row_id_map(mask, n, False, 1), map_bytes),
+        "permute rows only": (lambda: torch.ops.qmoe.permute(x, rid, None, n), move),
+        "unpermute(merging_probs)": (lambda: qmoe.moe_unpermute(y, rid, probs),
+                                     move + rid.numel() * 4),
+        "unpermute(no probs)": (lambda: qmoe.moe_unpermute(y, rid), move + rid.numel() * 4),
+        "permute backward": (lambda: torch.ops.qmoe.unpermute(y, rid, None), move),
+        "unpermute backward(probs)": (
+            lambda: torch.ops.qmoe.unpermute_backward(g, rid, probs, y, n),
+            move + n * row_bytes),
+        "sort_chunks": (lambda: qmoe.moe_sort_chunks_by_index(y, sizes, chunk_order),
+                        2 * n * row_bytes),
+        "torch: argsort+index_select": (lambda: torch_permute(x, ids, n), move),
+        "torch: index_add merge": (
+            lambda: torch_unpermute(y, order, probs_k.reshape(-1), t, k), move),
+    }
+    for case, (fn, nbytes) in cases.items():
+        ms_eager = median_ms(fn)
+        ms = graph_median_ms(fn)
+        gbs = nbytes / (ms * 1e-3) / 1e9
+        rows.append({"config": name, "T": t, "H": h, "E": e, "K": k, "op": case,
+                     "bytes": nbytes, "graph_ms": round(ms, 4),
+                     "eager_ms": round(ms_eager, 4), "GB/s": round(gbs, 1),
+                     "pct_copy_bw": round(100 * gbs / copy_bw, 1)})
+        print(f"{name:>9} {case:>28}: graph {ms:8.4f} ms {100 * gbs / copy_bw:5.1f}% "
+              f"of copy; eager {ms_eager * 1e3:9.1f} us", file=sys.stderr)
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=None)
+    p.add_argument("--configs", default=",".join(CONFIGS))
+    a = p.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_permute: CUDA not available; use benchmarks/bench_cpu.py on CPU")
+        return
+    copy_bw = copy_bandwidth_gbs()
+    rows = []
+    for name in a.configs.split(","):
+        rows += run_config(name, copy_bw)
+        torch.cuda.empty_cache()
+    write_json(a.out, {"bench": "permute", "env": env_info(), "copy_GB/s": round(copy_bw, 1),
+                       "results": rows})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,29 @@
+import torch
+
+KINDS = ["random", "empty_experts", "no_route_tokens", "sentinels", "one_expert"]
+
+
+def routing(t: int, e: int, k: int, kind: str = "random", device="cpu"):
+    """``(ids [T, K] int64 with -1 for unused slots, mask [T, E] bool)`` of one routing.
+
+    Kinds: random top-k; empty_experts (only even experts get tokens); no_route_tokens
+    (a third of the tokens go nowhere); sentinels (scattered -1 slots); one_expert (every
+    token to the last expert only).
+    """
+    k = min(k, e)
+    ids = torch.full((t, k), -1, dtype=torch.long)
+    if kind == "one_expert":
+        ids[:, 0] = e - 1
+    elif kind == "empty_experts":
+        half = -(-e // 2)
+        kk = min(k, half)
+        ids[:, :kk] = torch.rand(t, half).argsort(dim=1)[:, :kk] * 2
+    else:
+        ids = torch.rand(t, e).argsort(dim=1)[:, :k]
+        if kind == "no_route_tokens":
+            ids[torch.rand(t) < 0.33] = -1
+        elif kind == "sentinels":
+            ids = torch.where(torch.rand(t, k) < 0.3, -1, ids)
+    mask = torch.zeros(t, e + 1, dtype=torch.bool)
+    mask.scatter_(1, torch.where(ids >= 0, ids, e), True)
+    return ids.to(device), mask[:, :e].contiguous().to(device)

@@ -1,0 +1,75 @@
+"""Bad input raises a clear ValueError/TypeError naming the argument."""
+
+import pytest
+import torch
+
+import qmoe
+
+x = torch.randn(6, 8)
+mask = torch.zeros(6, 4, dtype=torch.bool)
+mask[:, 0] = True
+ids = torch.zeros(6, 2, dtype=torch.long)
+
+
+@pytest.mark.parametrize(
+    "call,exc,match",
+    [
+        (lambda: qmoe.moe_permute(x[0], mask), ValueError, "inp must be 2-d"),
+        (lambda: qmoe.moe_permute(x.long(), mask), TypeError, "inp must have dtype"),
+        (lambda: qmoe.moe_permute([1.0], mask), TypeError, "inp must be a torch.Tensor"),
+        (lambda: qmoe.moe_permute(x, mask[:5]), ValueError, "routing_map has 5 rows"),
+        (lambda: qmoe.moe_permute(x, mask.float()), TypeError, "routing_map must have dtype"),
+        (lambda: qmoe.moe_permute(x, mask[:, 0]), ValueError, "routing_map must be 2-d"),
+        (lambda: qmoe.moe_permute(x, mask, map_type="dense"), ValueError, "map_type"),
+        (lambda: qmoe.moe_permute(x, mask, num_out_tokens=-3), ValueError, "num_out_tokens"),
+        (lambda: qmoe.moe_permute(x, mask, num_out_tokens=2.0), TypeError, "num_out_tokens"),
+        (lambda: qmoe.moe_permute(x, ids - 2, map_type="index"), ValueError, "expert id -2"),
+        (lambda: qmoe.moe_permute(x, ids - 2, 4, map_type="index"), ValueError, ">= -1"),
+        (lambda: qmoe.moe_permute(x, ids + 5, map_type="index", num_experts=4), ValueError,
+         "num_experts=4"),
+        (lambda: qmoe.moe_permute(x, ids + 5, 3, map_type="index", num_experts=4), ValueError,
+         "num_experts=4"),
+        (lambda: qmoe.moe_permute_with_probs(x, torch.rand(6, 3), mask), ValueError,
+         r"probs must be \[T, E\]"),
+        (lambda: qmoe.moe_permute_with_probs(x, torch.rand(6, 4).long(), mask), TypeError,
+         "probs must have dtype"),
+        (lambda: qmoe.moe_permute_and_pad_with_probs(x, torch.rand(6, 4), mask, None, 0),
+         ValueError, "align_size"),
+        (lambda: qmoe.moe_permute_and_pad_with_probs(
+            x, torch.rand(6, 4), mask, torch.tensor([1, 0, 0, 0]), 4), ValueError,
+         "tokens_per_expert does not match"),
+        (lambda: qmoe.moe_permute_and_pad_with_probs(
+            x, torch.rand(6, 4), mask, torch.tensor([6, 0]), 4), ValueError,
+         r"tokens_per_expert must be \[E\]"),
+        (lambda: qmoe.moe_unpermute(x, torch.zeros(6, 9)), TypeError, "row_id_map must have"),
+        (lambda: qmoe.moe_unpermute(x, torch.zeros(6, 8, dtype=torch.int32)), ValueError,
+         r"\[T, 2\*S \+ 1\]"),
+        (lambda: qmoe.moe_unpermute(x, qmoe.moe_permute(x, mask)[1], torch.rand(6, 2)),
+         ValueError, "merging_probs has 2 columns"),
+        (lambda: qmoe.moe_unpermute(x, qmoe.moe_permute(x, mask)[1], restore_shape=(5, 8)),
+         ValueError, "restore_shape"),
+        (lambda: qmoe.moe_unpermute(x, qmoe.moe_permute(x, mask)[1], torch.rand(6, 4),
+                                    probs=torch.rand(6, 4)), ValueError, "not both"),
+        (lambda: qmoe.moe_sort_chunks_by_index(x, torch.tensor([3, 3]), torch.tensor([0])),
+         ValueError, "split_sizes and sorted_index"),
+        (lambda: qmoe.moe_sort_chunks_by_index(x, torch.tensor([4, 3]), torch.tensor([1, 0])),
+         ValueError, "sum to at most"),
+        (lambda: qmoe.moe_sort_chunks_by_index(x, torch.tensor([3, 3]), torch.tensor([1, 2])),
+         ValueError, "sorted_index entries"),
+        (lambda: qmoe.moe_sort_chunks_by_index(x, torch.tensor([-1, 3]), torch.tensor([1, 0])),
+         ValueError, "split_sizes must be >= 0"),
+        (lambda: qmoe.moe_sort_chunks_by_index(x, torch.tensor([3., 3.]), torch.tensor([1, 0])),
+         TypeError, "split_sizes must have dtype"),
+    ],
+)
+def test_bad_input(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_wrong_device():
+    with pytest.raises(ValueError, match="routing_map is on"):
+        qmoe.moe_permute(x.cuda(), mask)
+    with pytest.raises(ValueError, match="probs is on"):
+        qmoe.moe_permute_with_probs(x.cuda(), torch.rand(6, 4), mask.cuda())

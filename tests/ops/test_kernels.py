@@ -1,0 +1,72 @@
+"""The Triton kernels against the torch path, into poisoned outputs.
+
+CUDA, or CPU under TRITON_INTERPRET=1 (there in fp32 only: the interpreter's fp32 ->
+bf16/fp16 casts truncate instead of rounding to nearest even).
+"""
+
+import pytest
+import torch
+
+from qmoe.ops import backend as B
+from qmoe.ops.row_id_map import make_row_id_map
+from tests.ops.helpers import routing
+from tests.tensors.helpers import assert_same_bits
+
+
+def _dtypes(dev):
+    return [torch.float32] if dev == "cpu" else [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _poison(shape, dtype, dev):
+    return torch.full(shape, float("nan"), dtype=dtype, device=dev)
+
+
+CASES = [  # (T, H, E, K, kind, N offset)
+    (1, 1, 4, 2, "random", 0), (63, 17, 7, 3, "sentinels", 0), (64, 300, 8, 8, "random", -20),
+    (40, 64, 256, 8, "no_route_tokens", 11), (20, 33, 16, 1, "one_expert", 0),
+    (30, 16, 8, 2, "empty_experts", 5),
+]
+
+
+@pytest.mark.parametrize("t,h,e,k,kind,extra", CASES)
+@pytest.mark.parametrize("map_type", ["mask", "index"])
+def test_permute_unpermute_kernels(kdevice, t, h, e, k, kind, extra, map_type):
+    ids, mask = routing(t, e, k, kind, kdevice)
+    rm = mask if map_type == "mask" else ids
+    n = max(0, int(mask.sum()) + extra)
+    rid = make_row_id_map(rm, n, map_type == "index", 1)
+    for dtype in _dtypes(kdevice):
+        x = torch.randn(t, h, device=kdevice).to(dtype)
+        w = torch.rand(t, rm.shape[1], device=kdevice)
+        for weights in (None, w):
+            got = B.permute_rows(x, rid, n, weights, use_triton=True,
+                                 out=_poison((n, h), dtype, kdevice))
+            assert_same_bits(got, B.permute_rows(x, rid, n, weights, use_triton=False))
+        y = torch.randn(n, h, device=kdevice).to(dtype)
+        for weights in (None, w):
+            got = B.unpermute_rows(y, rid, weights, use_triton=True,
+                                   out=_poison((t, h), dtype, kdevice))
+            assert_same_bits(got, B.unpermute_rows(y, rid, weights, use_triton=False))
+        g = torch.randn(t, h, device=kdevice).to(dtype)
+        gw = B.merge_weight_grad(g, y, rid, rm.shape[1], use_triton=True)
+        ref = B.merge_weight_grad(g.double(), y.double(), rid, rm.shape[1], use_triton=False)
+        torch.testing.assert_close(gw.double(), ref.double(), rtol=1e-5, atol=1e-5)
+
+
+def test_padded_map_kernels_zero_padding(kdevice):
+    t, h, e = 50, 40, 8
+    ids, mask = routing(t, e, 2, "empty_experts", kdevice)
+    n = 200
+    rid = make_row_id_map(mask, n, False, 16)
+    x = torch.randn(t, h, device=kdevice)
+    got = B.permute_rows(x, rid, n, use_triton=True, out=_poison((n, h), x.dtype, kdevice))
+    assert_same_bits(got, B.permute_rows(x, rid, n, use_triton=False))
+    assert not got.isnan().any()
+
+
+@pytest.mark.parametrize("r,h", [(1, 1), (63, 17), (1025, 130)])
+def test_gather_rows_kernel(kdevice, r, h):
+    x = torch.randn(r + 3, h, device=kdevice)
+    src = torch.randint(0, r + 3, (r,), device=kdevice)
+    got = B.gather_rows(x, src, use_triton=True, out=_poison((r, h), x.dtype, kdevice))
+    assert_same_bits(got, x[src])

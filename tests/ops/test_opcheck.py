@@ -1,0 +1,63 @@
+"""torch.library.opcheck for every qmoe:: op (schema, fake vs real, autograd
+registration), empty inputs included, and fake outputs equal to the real ones."""
+
+import pytest
+import torch
+
+import qmoe  # noqa: F401  (registers the ops)
+from tests.ops.helpers import routing
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+ops = torch.ops.qmoe
+
+
+def _cases():
+    for t, h, e, k in [(13, 24, 4, 2), (0, 8, 4, 2), (5, 1, 7, 7)]:
+        ids, mask = routing(t, e, k, "sentinels", DEV)
+        x = torch.randn(t, h, device=DEV, requires_grad=True)
+        probs = torch.rand(t, e, device=DEV, requires_grad=True)
+        n = int(mask.sum()) + 2
+        rid_m = ops.make_row_id_map(mask, n, False, 1)
+        rid_i = ops.make_row_id_map(ids, n, True, 1)
+        y = torch.randn(n, h, device=DEV, requires_grad=True)
+        yield f"make_map_mask-{t}", ops.make_row_id_map.default, (mask, n, False, 1)
+        yield f"make_map_pad-{t}", ops.make_row_id_map.default, (mask, n + 8, False, 4)
+        yield f"make_map_index-{t}", ops.make_row_id_map.default, (ids, n, True, 1)
+        yield f"permute-{t}", ops.permute.default, (x, rid_m, None, n)
+        yield f"permute_probs-{t}", ops.permute.default, (x, rid_m, probs, n)
+        pk = torch.rand(t, ids.shape[1], device=DEV, requires_grad=True)
+        yield f"permute_index_probs-{t}", ops.permute.default, (x, rid_i, pk, n)
+        yield f"unpermute-{t}", ops.unpermute.default, (y, rid_m, None)
+        yield f"unpermute_probs-{t}", ops.unpermute.default, (y, rid_m, probs)
+        g = torch.randn(t, h, device=DEV)
+        # A backward helper (no double backward): inputs without requires_grad.
+        bwd_args = (g, rid_m, probs.detach(), y.detach(), n)
+        yield f"unpermute_bwd-{t}", ops.unpermute_backward.default, bwd_args
+        sizes = torch.tensor([t // 2, 0, t - t // 2], device=DEV)
+        order = torch.tensor([2, 0, 1], device=DEV)
+        p1 = torch.rand(t, device=DEV, requires_grad=True)
+        yield f"sort_chunks-{t}", ops.sort_chunks.default, (x, sizes, order, None)
+        yield f"sort_chunks_probs-{t}", ops.sort_chunks.default, (x, sizes, order, p1)
+
+
+CASES = list(_cases())
+
+
+@pytest.mark.parametrize("name,op,args", CASES, ids=[c[0] for c in CASES])
+def test_opcheck(name, op, args):
+    torch.library.opcheck(op, args)
+
+
+@pytest.mark.parametrize("name,op,args", CASES, ids=[c[0] for c in CASES])
+def test_fake_matches_real(name, op, args):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    real = op(*args)
+    mode = FakeTensorMode()
+    fargs = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+    with mode:
+        fake = op(*fargs)
+    real = real if isinstance(real, tuple) else (real,)
+    fake = fake if isinstance(fake, tuple) else (fake,)
+    for r, f in zip(real, fake):
+        assert (tuple(r.shape), r.dtype, r.device) == (tuple(f.shape), f.dtype, f.device)

@@ -1,0 +1,162 @@
+"""Permute / unpermute / pad against the pure-torch reference (CPU path; the GPU runs
+the same tests through the Triton kernels)."""
+
+import pytest
+import torch
+
+import qmoe
+from qmoe.ops import reference as R
+from tests.ops.helpers import KINDS, routing
+from tests.tensors.helpers import assert_same_bits
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+SHAPES = [  # (T, H, E, K)
+    (1, 17, 4, 2), (63, 1, 7, 3), (64, 130, 8, 1), (33, 17, 7, 7), (20, 64, 256, 8),
+    (9, 40, 1024, 4), (1025, 32, 16, 4),
+]
+
+
+def _inputs(t, h, e, k, kind, dtype=torch.bfloat16):
+    x = torch.randn(t, h, dtype=dtype, device=DEV)
+    ids, mask = routing(t, e, k, kind, DEV)
+    return x, ids, mask
+
+
+@pytest.mark.parametrize("t,h,e,k", SHAPES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_permute_mask_and_index_match_reference(t, h, e, k, kind):
+    x, ids, mask = _inputs(t, h, e, k, kind)
+    ref, _, _ = R.permute(x.cpu(), mask.cpu(), "mask")
+    out_m, rid_m = qmoe.moe_permute(x, mask)
+    out_i, rid_i = qmoe.moe_permute(x, ids, map_type="index", num_experts=e)
+    assert out_m.dtype == x.dtype and out_m.device == x.device
+    assert_same_bits(out_m.cpu(), ref)
+    assert_same_bits(out_i.cpu(), ref)
+    assert rid_m.shape == (t, 2 * e + 1) and rid_i.shape == (t, 2 * ids.shape[1] + 1)
+
+
+@pytest.mark.parametrize("t,h,e,k", [(63, 17, 8, 3), (1025, 64, 16, 4)])
+@pytest.mark.parametrize("map_type", ["mask", "index"])
+@pytest.mark.parametrize("extra", [-40, -1, 0, 5])
+def test_fixed_num_out_tokens_drops_and_pads(t, h, e, k, map_type, extra):
+    x, ids, mask = _inputs(t, h, e, k, "sentinels")
+    rm = mask if map_type == "mask" else ids
+    routed = int(mask.sum())
+    n = max(0, routed + extra)
+    probs = torch.rand(t, rm.shape[1], device=DEV)
+    out, pp, rid = qmoe.moe_permute_with_probs(x, probs, rm, n, map_type=map_type)
+    ref, rpp, _ = R.permute(x.cpu(), rm.cpu(), map_type, n, probs.cpu())
+    assert out.shape == (n, h) and pp.shape == (n,)
+    assert_same_bits(out.cpu(), ref)
+    assert_same_bits(pp.cpu(), rpp)
+    # Unpermute treats dropped routes as absent.
+    w = torch.rand(t, rm.shape[1], device=DEV)
+    y = qmoe.moe_unpermute(out, rid, merging_probs=w, map_type=map_type)
+    ry = R.unpermute(out.cpu(), rm.cpu(), map_type, w.cpu(), n)
+    torch.testing.assert_close(y.double().cpu(), ry, rtol=1e-2, atol=1e-2)  # bf16 output
+
+
+@pytest.mark.parametrize("t,h,e,k", SHAPES)
+@pytest.mark.parametrize("map_type", ["mask", "index"])
+@pytest.mark.parametrize("with_probs", [False, True])
+def test_unpermute_fp32_against_fp64(t, h, e, k, map_type, with_probs):
+    x, ids, mask = _inputs(t, h, e, k, "sentinels", torch.float32)
+    rm = mask if map_type == "mask" else ids
+    out, rid = qmoe.moe_permute(x, rm, map_type=map_type)
+    y_in = torch.randn_like(out)  # what the experts returned
+    w = torch.rand(t, rm.shape[1], device=DEV) if with_probs else None
+    y = qmoe.moe_unpermute(y_in, rid, w, map_type=map_type)
+    ref = R.unpermute(y_in.cpu(), rm.cpu(), map_type, None if w is None else w.cpu())
+    assert y.dtype == torch.float32 and y.shape == (t, h)
+    err = (y.double().cpu() - ref).abs().max().item() if y.numel() else 0.0
+    scale = ref.abs().max().item() if ref.numel() else 1.0
+    assert err <= 1e-6 * max(scale, 1.0) * max(k, 1)
+
+
+def test_mask_and_index_merge_identically():
+    x, ids, mask = _inputs(257, 96, 16, 4, "random", torch.float32)
+    w_e = torch.rand(257, 16, device=DEV)
+    w_k = w_e.gather(1, ids)
+    out_m, rid_m = qmoe.moe_permute(x, mask)
+    out_i, rid_i = qmoe.moe_permute(x, ids, map_type="index")
+    y_m = qmoe.moe_unpermute(out_m * 3, rid_m, w_e)
+    y_i = qmoe.moe_unpermute(out_i * 3, rid_i, w_k, map_type="index")
+    assert torch.equal(y_m, y_i)
+
+
+def test_permute_then_unpermute_counts_routes():
+    x, ids, mask = _inputs(100, 32, 8, 3, "no_route_tokens", torch.float32)
+    out, rid = qmoe.moe_permute(x, mask)
+    back = qmoe.moe_unpermute(out, rid)
+    assert torch.equal(back, x * mask.sum(1, keepdim=True).to(x.dtype))
+
+
+@pytest.mark.parametrize("align", [1, 4, 16, 128])
+@pytest.mark.parametrize("kind", ["random", "empty_experts", "one_expert"])
+def test_pad_variant_matches_reference(align, kind):
+    t, h, e, k = 70, 48, 8, 2
+    x, ids, mask = _inputs(t, h, e, k, kind)
+    probs = torch.rand(t, e, device=DEV)
+    tpe = mask.sum(0)
+    out, pp, rid, pad_offsets, target = qmoe.moe_permute_and_pad_with_probs(
+        x, probs, mask, tpe, align
+    )
+    ref, rpp, _ = R.permute(x.cpu(), mask.cpu(), "mask", None, probs.cpu(), align_size=align)
+    assert_same_bits(out.cpu(), ref)
+    assert_same_bits(pp.cpu(), rpp)
+    want_target = (tpe + align - 1) // align * align
+    assert torch.equal(target.cpu(), want_target.cpu())
+    pads = want_target - tpe
+    if bool(pads.any()):
+        assert torch.equal(pad_offsets.cpu(), (torch.cumsum(pads, 0) - pads).cpu())
+    else:
+        assert pad_offsets is None
+    y = qmoe.moe_unpermute(out.float(), rid, probs, pad_offsets=pad_offsets)
+    ry = R.unpermute(out.float().cpu(), mask.cpu(), "mask", probs.cpu(), align_size=align)
+    torch.testing.assert_close(y.double().cpu(), ry, rtol=1e-5, atol=1e-5)
+
+    # The sync-free form with a bound: same rows, zero tail, always a pad_offsets tensor.
+    bound = int(target.sum()) + 7
+    out2, pp2, rid2, po2, target2 = qmoe.moe_permute_and_pad_with_probs(
+        x, probs, mask, None, align, num_out_tokens=bound
+    )
+    assert out2.shape == (bound, h)
+    assert_same_bits(out2[: ref.shape[0]].cpu(), ref)
+    assert not out2[ref.shape[0]:].float().any()
+    assert isinstance(po2, torch.Tensor) and torch.equal(target2, target)
+
+
+def test_empty_inputs():
+    x = torch.randn(0, 16, device=DEV)
+    mask = torch.zeros(0, 4, dtype=torch.bool, device=DEV)
+    out, rid = qmoe.moe_permute(x, mask)
+    assert out.shape == (0, 16) and rid.shape == (0, 9)
+    assert qmoe.moe_unpermute(out, rid).shape == (0, 16)
+    ids = torch.zeros(0, 2, dtype=torch.long, device=DEV)
+    out, rid = qmoe.moe_permute(x, ids, map_type="index")
+    assert out.shape == (0, 16)
+    out, rid = qmoe.moe_permute(x, mask, num_out_tokens=5)  # no tokens, fixed buffer
+    assert out.shape == (5, 16) and not out.any()
+    nothing = torch.zeros(3, 4, dtype=torch.bool, device=DEV)
+    out, rid = qmoe.moe_permute(torch.randn(3, 16, device=DEV), nothing)
+    assert out.shape == (0, 16)
+    assert not qmoe.moe_unpermute(out, rid).any()
+
+
+def test_strided_input():
+    base = torch.randn(50, 96, device=DEV)
+    x = base[:, 8:72]  # row stride 96, not contiguous
+    ids, mask = routing(50, 8, 2, "random", DEV)
+    out, _ = qmoe.moe_permute(x, mask)
+    ref, _, _ = R.permute(x.contiguous().cpu(), mask.cpu(), "mask")
+    assert_same_bits(out.cpu(), ref)
+
+
+def test_integer_mask_and_int32_ids():
+    x, ids, mask = _inputs(40, 16, 6, 2, "random")
+    a, _ = qmoe.moe_permute(x, mask.to(torch.int32))
+    b, _ = qmoe.moe_permute(x, ids.to(torch.int32), map_type="index")
+    c, _ = qmoe.moe_permute(x, mask)
+    assert_same_bits(a, c)
+    assert_same_bits(b, c)
