@@ -71,11 +71,10 @@ def permute_rows(
         w = weights if weights is not None else x
         permute_scatter_kernel[(t, triton.cdiv(h, bh))](
             x, out, rid, w, h, num_slots(rid), x.stride(0), w.stride(0),
-            HAS_W=weights is not None, BLOCK_H=bh, num_warps=4,
+            HAS_W=weights is not None, KB=4, BLOCK_H=bh, num_warps=8,
         )
-    br = max(1, 4096 // bh)
-    zero_rows_kernel[(triton.cdiv(n, br), triton.cdiv(h, bh))](
-        out, written_rows(rid, n), n, h, BLOCK_R=br, BLOCK_H=bh, num_warps=4
+    zero_rows_kernel[(triton.cdiv(n, 64),)](
+        out, written_rows(rid, n), n, h, BLOCK_R=64, BLOCK_H=min(bh, 64), num_warps=4
     )
     return out
 

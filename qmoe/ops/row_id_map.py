@@ -74,6 +74,37 @@ def _index_rows(routing_map: torch.Tensor, num_out_tokens: int) -> torch.Tensor:
     return _compact(dst, col)
 
 
+def _mask_rows_triton(routing_map: torch.Tensor, num_out_tokens: int, align_size: int):
+    """The same map from two Triton passes over the mask (CUDA, or the interpreter)."""
+    import triton
+
+    from qmoe.ops._kernels.row_id_map import mask_block_counts_kernel, mask_row_id_map_kernel
+
+    t, e = routing_map.shape
+    rid = torch.empty((t, 2 * e + 1), dtype=torch.int32, device=routing_map.device)
+    if t == 0 or e == 0:
+        return rid.fill_(0) if e == 0 else rid
+    m = routing_map.view(torch.uint8) if routing_map.dtype == torch.bool else routing_map
+    if m.stride(1) != 1:
+        m = m.contiguous()
+    be = triton.next_power_of_2(e)
+    bt = max(1, min(1024, 8192 // be))
+    nblk = triton.cdiv(t, bt)
+    counts = torch.empty((nblk, e), dtype=torch.int32, device=m.device)
+    mask_block_counts_kernel[(nblk,)](m, counts, t, e, m.stride(0), BLOCK_T=bt, BLOCK_E=be)
+    total = counts.sum(0, dtype=torch.int32)
+    if align_size > 1:
+        total = (total + (align_size - 1)) // align_size * align_size
+    start = torch.cumsum(total, 0, dtype=torch.int32) - total
+    ct = counts.t()
+    before = (torch.cumsum(ct, 1, dtype=torch.int32) - ct).t()  # earlier blocks
+    base = (start[None, :] + before).contiguous()
+    mask_row_id_map_kernel[(nblk,)](
+        m, base, rid, t, e, num_out_tokens, m.stride(0), BLOCK_T=bt, BLOCK_E=be
+    )
+    return rid
+
+
 @torch.library.custom_op("qmoe::make_row_id_map", mutates_args=())
 def make_row_id_map(
     routing_map: torch.Tensor, num_out_tokens: int, is_index: bool, align_size: int
@@ -81,6 +112,8 @@ def make_row_id_map(
     """Build the ``[T, 2*S + 1]`` int32 map (module docs) from a mask or index routing map."""
     if is_index:
         return _index_rows(routing_map, num_out_tokens)
+    if routing_map.is_cuda:
+        return _mask_rows_triton(routing_map, num_out_tokens, align_size)
     return _mask_rows(routing_map, num_out_tokens, align_size)
 
 

@@ -24,6 +24,7 @@ def permute_scatter_kernel(
     stride_in,
     stride_w,
     HAS_W: tl.constexpr,
+    KB: tl.constexpr,  # routes written per step (their rows are loaded together)
     BLOCK_H: tl.constexpr,
 ):
     """Read token t's row once; write it (times its weight, if HAS_W) to each of its rows."""
@@ -33,15 +34,17 @@ def permute_scatter_kernel(
     mrow = map_ptr + t * (2 * S + 1)
     n = tl.load(mrow + 2 * S)
     x = tl.load(inp_ptr + t * stride_in + cols, mask=hmask)
-    for s in range(0, n):
-        d = tl.load(mrow + s).to(tl.int64)
+    for s0 in range(0, n, KB):
+        sl = s0 + tl.arange(0, KB)
+        smask = sl < n
+        d = tl.load(mrow + sl, mask=smask, other=0).to(tl.int64)
         if HAS_W:
-            c = tl.load(mrow + S + s)
-            w = tl.load(w_ptr + t * stride_w + c).to(tl.float32)
-            y = (x.to(tl.float32) * w).to(out_ptr.dtype.element_ty)
+            c = tl.load(mrow + S + sl, mask=smask, other=0)
+            w = tl.load(w_ptr + t * stride_w + c, mask=smask, other=0.0).to(tl.float32)
+            y = (x.to(tl.float32)[None, :] * w[:, None]).to(out_ptr.dtype.element_ty)
         else:
-            y = x
-        tl.store(out_ptr + d * H + cols, y, mask=hmask)
+            y = tl.broadcast_to(x[None, :], (KB, BLOCK_H))
+        tl.store(out_ptr + d[:, None] * H + cols[None, :], y, mask=smask[:, None] & hmask[None, :])
 
 
 @triton.jit
@@ -53,15 +56,18 @@ def zero_rows_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    """Zero the rows nothing was written to (padding, and rows past the routed count)."""
+    """Zero the rows nothing was written to (padding, and rows past the routed count).
+    A block of rows that are all written costs one small load."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     rmask = rows < N
     w = tl.load(written_ptr + rows, mask=rmask, other=1)
     todo = rmask & (w == 0)
-    offs = rows.to(tl.int64)[:, None] * H + cols[None, :]
-    zero = tl.zeros((BLOCK_R, BLOCK_H), dtype=out_ptr.dtype.element_ty)
-    tl.store(out_ptr + offs, zero, mask=todo[:, None] & (cols < H)[None, :])
+    if tl.max(todo.to(tl.int32), axis=0) > 0:
+        zero = tl.zeros((BLOCK_R, BLOCK_H), dtype=out_ptr.dtype.element_ty)
+        for h0 in range(0, H, BLOCK_H):
+            cols = h0 + tl.arange(0, BLOCK_H)
+            offs = rows.to(tl.int64)[:, None] * H + cols[None, :]
+            tl.store(out_ptr + offs, zero, mask=todo[:, None] & (cols < H)[None, :])
 
 
 @triton.jit
