@@ -16,7 +16,10 @@ K=${1:-}
 export QMOE_GPU_CHECK=1
 python3 -m pytest tests -q -p no:cacheprovider ${K:+-k "$K"} 2>&1 | tee "$OUT/tests.log" | tail -25
 echo "pytest rc=${PIPESTATUS[0]}" | tee -a "$OUT/tests.log"
-for b in benchmarks/bench_*.py; do
+# QMOE_BENCHES="permute quantize" picks benchmarks (default: every benchmarks/bench_*.py)
+for b in ${QMOE_BENCHES:+$(for n in $QMOE_BENCHES; do echo benchmarks/bench_$n.py; done)} \
+         ${QMOE_BENCHES:-benchmarks/bench_*.py}; do
+  [ -f "$b" ] || continue
   n=$(basename "$b" .py)
-  python3 "$b" --out "$OUT/$n.json" 2>&1 | tee "$OUT/$n.log" | grep -v '^ \|^{\|^}\|^  "' | tail -40
+  python3 "$b" --out "$OUT/$n.json" > "$OUT/$n.log" 2>&1; grep ' ms ' "$OUT/$n.log" | tail -80
 done

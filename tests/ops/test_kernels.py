@@ -74,3 +74,17 @@ def test_gather_rows_kernel(kdevice, r, h):
     src = torch.randint(0, r + 3, (r,), device=kdevice)
     got = B.gather_rows(x, src, use_triton=True, out=_poison((r, h), x.dtype, kdevice))
     assert_same_bits(got, x[src])
+
+
+@pytest.mark.parametrize("t,e,k,kind", [
+    (1, 4, 2, "random"), (63, 7, 3, "sentinels"), (100, 256, 8, "no_route_tokens"),
+    (50, 1024, 4, "random"), (33, 8, 8, "one_expert"), (0, 4, 2, "random"),
+])
+@pytest.mark.parametrize("align", [1, 16])
+def test_mask_map_kernel_matches_torch(kdevice, t, e, k, kind, align):
+    from qmoe.ops.row_id_map import _mask_rows, _mask_rows_triton
+
+    ids, mask = routing(t, e, k, kind, kdevice)
+    for n in (int(mask.sum()), int(mask.sum()) // 2, 1000):
+        for m in (mask, mask.to(torch.int32)):
+            assert torch.equal(_mask_rows_triton(m, n, align), _mask_rows(m, n, align))
