@@ -75,7 +75,21 @@ def main(argv: list[str] | None = None) -> int:
         tq = _time(lambda r=recipe: qmoe.quantize(x, r), a.iters)
         tr = _time(lambda q=q: q.index_select(0, rows), a.iters)
         print(f"{name:<26}{sqnr:>9.2f}{str(exact):>12}{tq:>13.3f}{tr:>10.3f}")
-    print("all routed rows bit-exact:", ok)
+    # The permutation ops on the high-precision tokens: permute -> experts -> unpermute.
+    ids = experts
+    mask = torch.zeros(t, e, dtype=torch.bool, device=dev).scatter_(1, ids, True)
+    probs = torch.rand(t, e, device=dev)
+    out, pp, rid = qmoe.moe_permute_with_probs(x, probs, mask, t * k)
+    perm_exact = torch.equal(out, x[rows])
+    y = qmoe.moe_unpermute(out.float() * 2, rid, probs)
+    want = 2 * (x.float() * (probs * mask).sum(1, keepdim=True))
+    merge_err = ((y - want).abs().max() / want.abs().max()).item()
+    tp = _time(lambda: qmoe.moe_permute_with_probs(x, probs, mask, t * k), a.iters)
+    tu = _time(lambda: qmoe.moe_unpermute(out, rid, probs), a.iters)
+    print(f"moe_permute_with_probs: rows bit-exact {perm_exact}, {tp:.3f} ms; "
+          f"moe_unpermute(merging_probs): rel err {merge_err:.1e}, {tu:.3f} ms")
+    ok &= perm_exact and merge_err < 1e-5
+    print("all checks passed:", ok)
     return 0 if ok else 1
 
 
