@@ -28,15 +28,6 @@ def _routes(rid: torch.Tensor):
     return tok[valid], dst[valid].long(), rid[:, s : 2 * s][valid].long()
 
 
-def written_rows(rid: torch.Tensor, n: int) -> torch.Tensor:
-    """``[N]`` int8: 1 for rows some route writes. One scatter, no host sync."""
-    s = num_slots(rid)
-    dst = rid[:, :s].reshape(-1).long()
-    w = torch.zeros(n + 1, dtype=torch.int8, device=rid.device)
-    w.index_fill_(0, torch.where(dst >= 0, dst, n), 1)  # unused slots hit the scratch row
-    return w[:n]
-
-
 def permute_rows(
     x: torch.Tensor,
     rid: torch.Tensor,
@@ -67,14 +58,15 @@ def permute_rows(
     if x.stride(1) != 1:
         x = x.contiguous()
     bh = _block_h(h)
+    written = torch.zeros(n, dtype=torch.int8, device=x.device)
     if t > 0:
         w = weights if weights is not None else x
         permute_scatter_kernel[(t, triton.cdiv(h, bh))](
-            x, out, rid, w, h, num_slots(rid), x.stride(0), w.stride(0),
+            x, out, rid, w, written, h, num_slots(rid), x.stride(0), w.stride(0),
             HAS_W=weights is not None, KB=4, BLOCK_H=bh, num_warps=8,
         )
     zero_rows_kernel[(triton.cdiv(n, 64),)](
-        out, written_rows(rid, n), n, h, BLOCK_R=64, BLOCK_H=min(bh, 64), num_warps=4
+        out, written, n, h, BLOCK_R=64, BLOCK_H=min(bh, 64), num_warps=4
     )
     return out
 

@@ -19,6 +19,7 @@ def permute_scatter_kernel(
     out_ptr,  # (N, H) same dtype, contiguous
     map_ptr,  # (T, 2S+1) int32
     w_ptr,  # (T, P) float weights, row stride stride_w (read only if HAS_W)
+    written_ptr,  # (N,) int8, zero-initialized: set to 1 for every row written
     H,
     S,
     stride_in,
@@ -45,6 +46,8 @@ def permute_scatter_kernel(
         else:
             y = tl.broadcast_to(x[None, :], (KB, BLOCK_H))
         tl.store(out_ptr + d[:, None] * H + cols[None, :], y, mask=smask[:, None] & hmask[None, :])
+        if tl.program_id(1) == 0:
+            tl.store(written_ptr + d, tl.full((KB,), 1, dtype=tl.int8), mask=smask)
 
 
 @triton.jit
