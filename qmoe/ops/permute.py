@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from qmoe._library import define
 from qmoe.ops import _checks as C
 from qmoe.ops.backend import permute_rows
 from qmoe.ops.row_id_map import num_slots
@@ -24,7 +25,10 @@ def _permute_probs(probs: torch.Tensor, rid: torch.Tensor, n: int) -> torch.Tens
     return out[:n]
 
 
-@torch.library.custom_op("qmoe::permute", mutates_args=())
+@define(
+    "permute(Tensor inp, Tensor row_id_map, Tensor? probs, SymInt num_out_tokens) "
+    "-> (Tensor, Tensor)"
+)
 def _permute(
     inp: torch.Tensor, row_id_map: torch.Tensor, probs: torch.Tensor | None, num_out_tokens: int
 ) -> tuple[torch.Tensor, torch.Tensor]:

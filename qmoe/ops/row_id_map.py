@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from qmoe._library import define
+
 
 def _compact(dst: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
     """Pack the valid (``dst >= 0``) entries of each row first, keeping their order."""
@@ -105,7 +107,10 @@ def _mask_rows_triton(routing_map: torch.Tensor, num_out_tokens: int, align_size
     return rid
 
 
-@torch.library.custom_op("qmoe::make_row_id_map", mutates_args=())
+@define(
+    "make_row_id_map(Tensor routing_map, SymInt num_out_tokens, bool is_index, int align_size) "
+    "-> Tensor"
+)
 def make_row_id_map(
     routing_map: torch.Tensor, num_out_tokens: int, is_index: bool, align_size: int
 ) -> torch.Tensor:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from qmoe._library import define
 from qmoe.ops import _checks as C
 from qmoe.ops.backend import gather_rows
 
@@ -36,7 +37,10 @@ def chunk_source_rows(
     return torch.where(j < c, src, r).clamp(0, max(t - 1, 0))
 
 
-@torch.library.custom_op("qmoe::sort_chunks", mutates_args=())
+@define(
+    "sort_chunks(Tensor inp, Tensor split_sizes, Tensor sorted_index, Tensor? probs) "
+    "-> (Tensor, Tensor)"
+)
 def _sort_chunks(
     inp: torch.Tensor,
     split_sizes: torch.Tensor,

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import torch
 
+from qmoe._library import define
 from qmoe.ops import _checks as C
 from qmoe.ops.backend import merge_weight_grad, permute_rows, unpermute_rows
 from qmoe.ops.row_id_map import num_slots
 
 
-@torch.library.custom_op("qmoe::unpermute", mutates_args=())
+@define("unpermute(Tensor inp, Tensor row_id_map, Tensor? merging_probs) -> Tensor")
 def _unpermute(
     inp: torch.Tensor, row_id_map: torch.Tensor, merging_probs: torch.Tensor | None
 ) -> torch.Tensor:
@@ -21,7 +22,10 @@ def _(inp, row_id_map, merging_probs):
     return inp.new_empty((row_id_map.shape[0], inp.shape[1]))
 
 
-@torch.library.custom_op("qmoe::unpermute_backward", mutates_args=())
+@define(
+    "unpermute_backward(Tensor grad_out, Tensor row_id_map, Tensor? merging_probs, "
+    "Tensor? fwd_inp, SymInt num_rows) -> (Tensor, Tensor)"
+)
 def _unpermute_backward(
     grad_out: torch.Tensor,
     row_id_map: torch.Tensor,

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from qmoe._library import define
 from qmoe.tensors.base import QuantizedTensor
 from qmoe.tensors.recipes import MXFP8, Blockwise, PerTensor, Recipe, fp8_max
 from qmoe.tensors.types import Float8BlockwiseTensor, Float8Tensor, MXFP8Tensor
@@ -178,7 +179,10 @@ def quantize_rows_triton(
 
 
 # -------------------------------------------------------------------- custom ops
-@torch.library.custom_op("qmoe::quantize_blocks", mutates_args=())
+@define(
+    "quantize_blocks(Tensor x, int block_size, ScalarType fp8_dtype, str scale_mode) "
+    "-> (Tensor, Tensor)"
+)
 def _quantize_blocks(
     x: torch.Tensor, block_size: int, fp8_dtype: torch.dtype, scale_mode: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,7 +201,7 @@ def _(x, block_size, fp8_dtype, scale_mode):
     )
 
 
-@torch.library.custom_op("qmoe::quantize_with_scale", mutates_args=())
+@define("quantize_with_scale(Tensor x, Tensor scale, ScalarType fp8_dtype) -> Tensor")
 def _quantize_with_scale(
     x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype
 ) -> torch.Tensor:

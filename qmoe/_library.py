@@ -1,0 +1,48 @@
+"""Registration of qmoe's ``qmoe::`` ops through ``torch.library.Library``.
+
+``torch.library.custom_op`` wraps every call in Python (about 17 us per call on a CPU
+core); a plain ``define`` + ``impl`` costs about 2 us, which matters for small MoE
+batches where launch overhead dominates. ``define`` keeps custom_op's decorator shape:
+the returned object takes ``register_fake`` and ``register_autograd`` and is callable.
+
+``_LIB`` is the namespace's registration handle, written once at import (the ops
+themselves keep no state).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+_LIB = torch.library.Library("qmoe", "DEF")
+
+
+class Op:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.qualname = f"qmoe::{name}"
+
+    def register_fake(self, fn: Callable) -> Callable:
+        torch.library.register_fake(self.qualname, fn, lib=_LIB)
+        return fn
+
+    def register_autograd(self, backward: Callable, *, setup_context: Callable) -> None:
+        torch.library.register_autograd(
+            self.qualname, backward, setup_context=setup_context, lib=_LIB
+        )
+
+    def __call__(self, *args):
+        return getattr(torch.ops.qmoe, self.name)(*args)
+
+
+def define(schema: str) -> Callable[[Callable], Op]:
+    """Decorator: define ``qmoe::<schema>`` with the function as its CPU and CUDA kernel."""
+
+    def deco(fn: Callable) -> Op:
+        name = schema.split("(", 1)[0]
+        _LIB.define(schema)
+        _LIB.impl(name, fn, "CompositeExplicitAutograd")
+        return Op(name)
+
+    return deco
