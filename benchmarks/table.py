@@ -6,7 +6,8 @@ import sys
 
 def main() -> None:
     for path in sys.argv[1:]:
-        d = json.load(open(path))
+        with open(path) as f:
+            d = json.load(f)
         env = d["env"]
         print(f"<!-- {path}: {env} copy {d['copy_GB/s']} GB/s -->")
         if d["bench"] == "permute":
@@ -17,7 +18,7 @@ def main() -> None:
                 print(f"| {cfg} | {r['op']} | {r['graph_ms']} | {r['pct_copy_bw']} | "
                       f"{r['eager_ms'] * 1e3:.0f} |")
         elif d["bench"] == "quantize":
-            print("| config | T x H | recipe | graph ms | GB/s | % copy | eager ms | torch-ops ms |")
+            print("| config | T x H | recipe | graph ms | GB/s | % copy | eager ms | torch ms |")
             print("|---|---|---|---|---|---|---|---|")
             for r in d["results"]:
                 print(f"| {r['config']} | {r['T']}x{r['H']} | {r['recipe']} | {r['graph_ms']} | "
