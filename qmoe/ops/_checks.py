@@ -52,9 +52,20 @@ def check_routing_map(fn: str, inp: torch.Tensor, routing_map, map_type: str) ->
     check_same_device(fn, "inp", inp, routing_map=routing_map)
 
 
+def check_not_quantized(fn: str, name: str, t) -> None:
+    from qmoe.tensors.base import QuantizedTensor
+
+    if isinstance(t, QuantizedTensor):
+        raise TypeError(
+            f"{fn}: {name} is a {type(t).__name__}; only inp may be quantized, pass "
+            f"{name} in high precision ({name}.dequantize())"
+        )
+
+
 def check_probs(fn: str, name: str, probs, t: int, p: int, ref: torch.Tensor, cols: str) -> None:
     if probs is None:
         return
+    check_not_quantized(fn, name, probs)
     check_tensor(fn, name, probs, ndim=2, dtypes=_FLOATS)
     if tuple(probs.shape) != (t, p):
         raise ValueError(f"{fn}: {name} must be [T, {cols}] = [{t}, {p}], got {tuple(probs.shape)}")
