@@ -163,3 +163,57 @@ def gather_rows(
         x, out, src, r, h, x.stride(0), BLOCK_R=br, BLOCK_H=bh, num_warps=4
     )
     return out
+
+
+FP8_PER_TENSOR, FP8_BLOCK_FP32, FP8_BLOCK_E8M0 = 0, 1, 2  # scale layouts of quantized rows
+
+
+def dequantize_rows(qbits, scale, layout: int, block_size: int, fp8_dtype) -> torch.Tensor:
+    """fp32 ``qdata * scale`` of raw quantized rows (torch), as ``QuantizedTensor`` defines it."""
+    v = qbits.view(fp8_dtype).float()
+    if layout == FP8_PER_TENSOR:
+        return v * scale.float()
+    if layout == FP8_BLOCK_E8M0:
+        b = scale.to(torch.int32)
+        s = torch.where(b == 0, 2.0**-127, (b << 23).view(torch.float32))
+        s = torch.where(b == 255, float("nan"), s)
+    else:
+        s = scale.float()
+    cols = torch.arange(qbits.shape[-1], device=qbits.device) // block_size
+    return v * s[..., cols]
+
+
+def unpermute_fp8_rows(
+    qbits: torch.Tensor,
+    scale: torch.Tensor,
+    layout: int,
+    block_size: int,
+    fp8_dtype: torch.dtype,
+    rid: torch.Tensor,
+    weights: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    *,
+    use_triton: bool | None = None,
+) -> torch.Tensor:
+    """Merge of quantized rows ``qbits [N, H]`` (uint8 fp8 bits) with their scales: each
+    row dequantized (fp32) and summed in fp32; ``[T, H]`` in ``out_dtype``."""
+    use_triton = qbits.is_cuda if use_triton is None else use_triton
+    if not use_triton:
+        x = dequantize_rows(qbits, scale, layout, block_size, fp8_dtype)
+        return unpermute_rows(x, rid, weights, out_dtype, use_triton=False)
+    from qmoe.ops._kernels.permute import unpermute_fp8_kernel
+
+    t, h = rid.shape[0], qbits.shape[1]
+    out = torch.empty(t, h, dtype=out_dtype, device=qbits.device)
+    if t == 0 or h == 0:
+        return out
+    bh = _block_h(h)
+    w = weights if weights is not None else scale
+    e4m3 = fp8_dtype == torch.float8_e4m3fn
+    unpermute_fp8_kernel[(t, triton.cdiv(h, bh))](
+        qbits.contiguous(), scale.contiguous(), out, rid, w, h, num_slots(rid),
+        scale.shape[-1] if scale.dim() else 1, w.stride(0) if w.dim() else 0,
+        LAYOUT=layout, BS=max(block_size, 1), MB=3 if e4m3 else 2, BIAS=7 if e4m3 else 15,
+        HW_CAST=qbits.is_cuda, HAS_W=weights is not None, BLOCK_H=bh, num_warps=4,
+    )
+    return out

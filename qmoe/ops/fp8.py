@@ -8,8 +8,9 @@ tensors and rewraps:
   has no fp8 pointers), block scales (``[T, ceil(H / block)]`` fp32, or MX e8m0 bits) move
   as rows beside it, a per-tensor scale carries over. Rows no route fills are zero bits,
   which dequantize to exact zeros under every layout (a zero MX scale byte is 2**-127).
-* The merge (``qmoe::unpermute``) of a quantized input returns high precision: the rows
-  are dequantized and summed in fp32.
+* The merge (``qmoe::unpermute``) of a quantized input returns high precision through
+  ``qmoe::unpermute_fp8``: each row is dequantized inside the merge kernel (fp8 bits times
+  its block scale) and summed in fp32; there is no dequantized copy of the rows.
 
 Because the rules only call ops on plain tensors, AOTAutograd can desugar the subclass
 and ``torch.compile(fullgraph=True)`` traces them (docs/design.md).
@@ -19,7 +20,15 @@ from __future__ import annotations
 
 import torch
 
+from qmoe._library import define
+from qmoe.ops.backend import (
+    FP8_BLOCK_E8M0,
+    FP8_BLOCK_FP32,
+    FP8_PER_TENSOR,
+    unpermute_fp8_rows,
+)
 from qmoe.tensors.base import QuantizedTensor, register_passthrough
+from qmoe.tensors.types import MXFP8Tensor
 
 ops = torch.ops.qmoe
 
@@ -44,10 +53,36 @@ def _sort_chunks_q(func, args, kwargs):
     return q._rewrap(out.view(q.fp8_dtype), scale), pp
 
 
+@define(
+    "unpermute_fp8(Tensor qbits, Tensor scale, Tensor row_id_map, Tensor? merging_probs, "
+    "int layout, int block_size, ScalarType fp8_dtype, ScalarType out_dtype) -> Tensor"
+)
+def _unpermute_fp8(qbits, scale, row_id_map, merging_probs, layout, block_size, fp8_dtype,
+                   out_dtype):
+    return unpermute_fp8_rows(
+        qbits, scale, layout, block_size, fp8_dtype, row_id_map, merging_probs, out_dtype
+    )
+
+
+@_unpermute_fp8.register_fake
+def _(qbits, scale, row_id_map, merging_probs, layout, block_size, fp8_dtype, out_dtype):
+    return qbits.new_empty((row_id_map.shape[0], qbits.shape[1]), dtype=out_dtype)
+
+
+def _layout(q: QuantizedTensor) -> int:
+    if q.block_size is None:
+        return FP8_PER_TENSOR
+    return FP8_BLOCK_E8M0 if isinstance(q, MXFP8Tensor) else FP8_BLOCK_FP32
+
+
 @register_passthrough(ops.unpermute.default)
 def _unpermute_q(func, args, kwargs):
+    """Merge of quantized rows: dequantized inside the kernel, fp32 sums, orig dtype out."""
     q, rid, weights = args
-    return func(q._dequantize_raw(torch.float32), rid, weights).to(q.orig_dtype)
+    return ops.unpermute_fp8(
+        _bits(q), q.raw_scale, rid, weights, _layout(q), q.block_size or 0, q.fp8_dtype,
+        q.orig_dtype,
+    )
 
 
 @register_passthrough(ops.unpermute_backward.default)

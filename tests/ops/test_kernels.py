@@ -90,3 +90,31 @@ def test_mask_map_kernel_matches_torch(kdevice, t, e, k, kind, align):
     for n in (int(mask.sum()), int(mask.sum()) // 2, 1000):
         for m in (mask, mask.to(torch.int32)):
             assert torch.equal(_mask_rows_triton(m, n, align), _mask_rows(m, n, align))
+
+
+@pytest.mark.parametrize("recipe", [
+    "pertensor-e4m3", "pertensor-e5m2", "blockwise-e4m3", "blockwise-e5m2", "mx-e4m3", "mx-e5m2",
+])
+@pytest.mark.parametrize("h", [17, 300])
+def test_unpermute_fp8_kernel_dequantizes_in_place(kdevice, recipe, h):
+    import qmoe
+    from qmoe.ops.fp8 import _bits, _layout
+    from tests.tensors.helpers import RECIPES
+
+    t, e, k = 29, 8, 3
+    ids, mask = routing(t, e, k, "sentinels", kdevice)
+    n = int(mask.sum()) + 3
+    rid = make_row_id_map(mask, n, False, 1)
+    x = torch.randn(n, h, device=kdevice) * torch.logspace(-3, 3, n, device=kdevice)[:, None]
+    q = qmoe.quantize(x, RECIPES[recipe])
+    w = torch.rand(t, e, device=kdevice)
+    args = (_bits(q), q.raw_scale, _layout(q), q.block_size or 0, q.fp8_dtype, rid)
+    for weights in (None, w):
+        got = B.unpermute_fp8_rows(*args, weights, torch.float32, use_triton=True)
+        # The same merge of the dequantized rows on the CPU (in row order).
+        want = B.unpermute_rows(q.dequantize(torch.float32).cpu(), rid.cpu(),
+                                None if weights is None else weights.cpu(), use_triton=False)
+        if weights is None or kdevice == "cpu":
+            assert_same_bits(got.cpu(), want)
+        else:  # the GPU contracts x * w + acc to an FMA
+            torch.testing.assert_close(got.cpu(), want, rtol=1e-6, atol=1e-6)

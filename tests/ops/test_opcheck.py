@@ -33,6 +33,14 @@ def _cases():
         # A backward helper (no double backward): inputs without requires_grad.
         bwd_args = (g, rid_m, probs.detach(), y.detach(), n)
         yield f"unpermute_bwd-{t}", ops.unpermute_backward.default, bwd_args
+        for name in ("pertensor-e4m3", "blockwise-e5m2", "mx-e4m3"):
+            from qmoe.ops.fp8 import _bits, _layout
+            from tests.tensors.helpers import RECIPES
+
+            q = qmoe.quantize(y.detach(), RECIPES[name])
+            fargs = (_bits(q), q.raw_scale, rid_m, probs.detach(), _layout(q), q.block_size or 0,
+                     q.fp8_dtype, torch.bfloat16)
+            yield f"unpermute_fp8_{name}-{t}", ops.unpermute_fp8.default, fargs
         sizes = torch.tensor([t // 2, 0, t - t // 2], device=DEV)
         order = torch.tensor([2, 0, 1], device=DEV)
         p1 = torch.rand(t, device=DEV, requires_grad=True)

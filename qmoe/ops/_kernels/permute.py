@@ -12,6 +12,8 @@ columns that weight them. Programs cover one token (or one block of rows) and on
 import triton
 import triton.language as tl
 
+from qmoe.tensors._kernels.quantize import fp8_bits_to_fp32
+
 
 @triton.jit
 def permute_scatter_kernel(
@@ -150,3 +152,56 @@ def gather_rows_kernel(
     m = rmask[:, None] & (cols < H)[None, :]
     x = tl.load(inp_ptr + src[:, None] * stride_in + cols[None, :], mask=m)
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * H + cols[None, :], x, mask=m)
+
+
+@triton.jit
+def unpermute_fp8_kernel(
+    q_ptr,  # (N, H) uint8: fp8 bits of the permuted rows, contiguous
+    s_ptr,  # LAYOUT 0: () fp32; 1: (N, NB) fp32 block scales; 2: (N, NB) uint8 e8m0 bits
+    out_ptr,  # (T, H) output dtype, contiguous
+    map_ptr,  # (T, 2S+1) int32
+    w_ptr,  # (T, P) merging weights, row stride stride_w (read only if HAS_W)
+    H,
+    S,
+    NB,
+    stride_w,
+    LAYOUT: tl.constexpr,
+    BS: tl.constexpr,  # scale block along H (LAYOUT 1 and 2)
+    MB: tl.constexpr,
+    BIAS: tl.constexpr,
+    HW_CAST: tl.constexpr,
+    HAS_W: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """The merge of quantized rows: each row is dequantized in registers (fp8 value times
+    its block's scale, fp32) and summed in fp32 in row order, as ``unpermute_gather``."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = cols < H
+    mrow = map_ptr + t * (2 * S + 1)
+    n = tl.load(mrow + 2 * S)
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    if LAYOUT == 0:
+        st = tl.load(s_ptr)
+    for s in range(0, n):
+        d = tl.load(mrow + s).to(tl.int64)
+        b = tl.load(q_ptr + d * H + cols, mask=hmask, other=0)
+        v = fp8_bits_to_fp32(b, MB, BIAS, HW_CAST)
+        if LAYOUT == 0:
+            x = v * st
+        else:
+            sidx = d * NB + cols // BS
+            if LAYOUT == 1:
+                sc = tl.load(s_ptr + sidx, mask=hmask, other=0.0)
+            else:
+                sb = tl.load(s_ptr + sidx, mask=hmask, other=127).to(tl.int32)
+                sc = (sb << 23).to(tl.float32, bitcast=True)
+                sc = tl.where(sb == 0, 5.877471754111438e-39, sc)  # 2**-127
+                nan = tl.full(sc.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
+                sc = tl.where(sb == 255, nan, sc)
+            x = v * sc
+        if HAS_W:
+            acc += x * tl.load(w_ptr + t * stride_w + tl.load(mrow + S + s)).to(tl.float32)
+        else:
+            acc += x
+    tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=hmask)

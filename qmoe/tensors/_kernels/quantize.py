@@ -118,3 +118,36 @@ def quantize_rows_kernel(
     y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX))
     q = fp32_to_fp8_bits(y, MB, BIAS, HW_CAST)
     tl.store(q_ptr + rows64[:, None, None] * H + cols[None, :, :], q, mask=mask)
+
+
+@triton.jit
+def fp8_bits_to_fp32(b, MB: tl.constexpr, BIAS: tl.constexpr, HW_CAST: tl.constexpr):
+    """Decode fp8 bits (uint8; ``MB``/``BIAS`` as in ``fp32_to_fp8_bits``) to fp32, exactly.
+
+    ``HW_CAST`` uses the hardware conversion; otherwise integer arithmetic (the Triton
+    interpreter's fp8 upcast is wrong too).
+    """
+    if HW_CAST:
+        if MB == 3:
+            return b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            return b.to(tl.float8e5, bitcast=True).to(tl.float32)
+    else:
+        EMAX: tl.constexpr = (1 << (7 - MB)) - 1
+        bi = b.to(tl.int32)
+        sign = (bi >> 7) & 1
+        e = (bi >> MB) & EMAX
+        m = bi & ((1 << MB) - 1)
+        normal = ((sign << 31) | ((e + (127 - BIAS)) << 23) | (m << (23 - MB))).to(
+            tl.float32, bitcast=True
+        )
+        sub = m.to(tl.float32) * (2.0 ** (1 - BIAS - MB))
+        sub = tl.where(sign == 1, -sub, sub)
+        v = tl.where(e == 0, sub, normal)
+        nan = tl.full(v.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
+        if MB == 3:  # e4m3fn: no infinities, S.1111.111 is NaN
+            v = tl.where((e == EMAX) & (m == 7), nan, v)
+        else:  # e5m2: IEEE-like top exponent
+            inf = ((sign << 31) | 0x7F800000).to(tl.float32, bitcast=True)
+            v = tl.where(e == EMAX, tl.where(m == 0, inf, nan), v)
+        return v
