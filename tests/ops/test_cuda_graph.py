@@ -21,8 +21,7 @@ def test_fp8_pipeline_graph_replay(name):
     probs = torch.rand(t, e, device="cuda")
 
     def pipeline():
-        q = qmoe.quantize(x, recipe, scale=torch.ones((), device="cuda")) if name.startswith(
-            "pertensor") else qmoe.quantize(x, recipe)
+        q = qmoe.quantize(x, recipe)
         out, pp, rid, _, _ = qmoe.moe_permute_and_pad_with_probs(
             q, probs, mask, None, align, num_out_tokens=bound
         )
