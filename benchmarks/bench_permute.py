@@ -36,6 +36,12 @@ CONFIGS = {  # name: (T, H, E, K)
     "gptoss": (8192, 2880, 128, 4),
     "qwen3next": (16384, 2048, 512, 10),
     "small": (256, 4096, 64, 8),
+    "tiny": (64, 256, 8, 2),  # CPU smoke run only
+}
+FP8_RECIPES = {
+    "blockwise128": qmoe.Blockwise(),
+    "mxfp8": qmoe.MXFP8(),
+    "pertensor": qmoe.PerTensor(),
 }
 
 
@@ -51,8 +57,7 @@ def torch_unpermute(y, order, w_flat, t, k):
     return acc.to(y.dtype)
 
 
-def run_config(name: str, copy_bw: float) -> list[dict]:
-    dev = "cuda"
+def run_config(name: str, copy_bw: float, dev: str = "cuda") -> list[dict]:
     rows = []
     t, h, e, k = CONFIGS[name]
     n = t * k
@@ -92,9 +97,22 @@ def run_config(name: str, copy_bw: float) -> list[dict]:
         "torch: index_add merge": (
             lambda: torch_unpermute(y, order, probs_k.reshape(-1), t, k), move),
     }
+    # FP8 rows: qdata bytes plus scale bytes per row, moved by the same kernels.
+    for rname, recipe in FP8_RECIPES.items():
+        q = qmoe.quantize(x, recipe)
+        qy = qmoe.quantize(y, recipe)
+        per_row = h + (q.raw_scale[0].numel() * q.raw_scale.element_size() if q.raw_scale.dim()
+                       else 0)
+        qmove = (t + n) * per_row
+        cases[f"fp8 {rname}: permute(mask)"] = (
+            lambda q=q: qmoe.moe_permute(q, mask, n), qmove + map_bytes)
+        cases[f"fp8 {rname}: permute rows only"] = (
+            lambda q=q: torch.ops.qmoe.permute(q, rid, None, n), qmove)
+        cases[f"fp8 {rname}: unpermute(merging_probs)"] = (
+            lambda qy=qy: qmoe.moe_unpermute(qy, rid, probs), n * per_row + t * row_bytes)
     for case, (fn, nbytes) in cases.items():
         ms_eager = median_ms(fn)
-        ms = graph_median_ms(fn)
+        ms = graph_median_ms(fn) or ms_eager
         gbs = nbytes / (ms * 1e-3) / 1e9
         rows.append({"config": name, "T": t, "H": h, "E": e, "K": k, "op": case,
                      "bytes": nbytes, "graph_ms": round(ms, 4),
@@ -108,10 +126,16 @@ def run_config(name: str, copy_bw: float) -> list[dict]:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=None)
-    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--configs", default=",".join(c for c in CONFIGS if c != "tiny"))
+    p.add_argument("--cpu-smoke", action="store_true", help="run the 'tiny' config on CPU")
     a = p.parse_args()
+    if a.cpu_smoke:
+        rows = run_config("tiny", copy_bandwidth_gbs(1 << 26), "cpu")
+        write_json(a.out, {"bench": "permute", "env": env_info(), "copy_GB/s": 0,
+                           "results": rows})
+        return
     if not torch.cuda.is_available():
-        print("bench_permute: CUDA not available; use benchmarks/bench_cpu.py on CPU")
+        print("bench_permute: CUDA not available (use --cpu-smoke for a CPU smoke run)")
         return
     copy_bw = copy_bandwidth_gbs()
     rows = []
