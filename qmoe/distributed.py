@@ -1,0 +1,257 @@
+"""Expert-parallel token dispatch over ``torch.distributed`` (NCCL on GPUs, Gloo on CPU).
+
+Glossary: T local tokens, H hidden, W ranks, L experts per rank, E = W * L global
+experts (expert ``e`` lives on rank ``e // L``), R rows received by a rank.
+
+``dispatch`` follows the Megatron / torchtitan pattern:
+
+1. ``moe_permute`` groups the local tokens by global expert (so by destination rank);
+2. the ``[E]`` per-expert counts are exchanged with ``all_to_all_single``;
+3. the rows travel with ``all_to_all_single`` (uneven splits, or C rows per rank pair);
+4. ``moe_sort_chunks_by_index`` regroups the received chunks by local expert.
+
+``combine`` runs it backwards: sort back, all-to-all back, ``moe_unpermute`` with the
+router probs as merging probs. FP8 inputs (``qmoe.quantize`` output) travel quantized:
+``qdata`` bits and block-scale rows are sent as their own tensors and rewrapped on
+arrival (about half the bytes of bf16). Per-tensor scales differ between ranks, so rows
+from rank j are rescaled on arrival by ``s_j / max(s)`` (bit-exact when all scales are
+equal, e.g. with a globally agreed scale). Autograd runs through the whole path: the
+backward of an all-to-all is the reverse all-to-all, on high-precision gradients.
+
+Host syncs: the default path reads the split sizes on the host once per ``dispatch``
+(one ``.tolist()`` of the exchanged counts; ``combine`` reuses them). With
+``capacity=C`` nothing is read on the host: every rank sends exactly C rows to every
+rank (zero rows pad, rows past C are dropped and merge as zero), so the splits are static
+and the whole path can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from qmoe.ops import moe_permute, moe_sort_chunks_by_index, moe_unpermute
+from qmoe.ops.row_id_map import _compact, num_slots
+from qmoe.tensors.base import QuantizedTensor
+
+__all__ = ["dispatch", "combine", "DispatchHandle", "TokenDispatcher", "wire_bytes_per_row"]
+
+
+# ----------------------------------------------------------------- all-to-all
+def _a2a_plain(x: torch.Tensor, out_splits, in_splits, group) -> torch.Tensor:
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+    return out
+
+
+def _a2a_rows(x: torch.Tensor, out_splits, in_splits, group) -> torch.Tensor:
+    """All-to-all of rows; quantized rows travel as fp8 bits plus scale rows."""
+    if not isinstance(x, QuantizedTensor):
+        return _a2a_plain(x, out_splits, in_splits, group)
+    bits = _a2a_plain(x.qdata.view(torch.uint8), out_splits, in_splits, group)
+    if x.block_size is not None:
+        scale = _a2a_plain(x.raw_scale, out_splits, in_splits, group)
+        return x._rewrap(bits.view(x.fp8_dtype), scale)
+    # Per-tensor: one scale per sender; bring the rows to the largest one.
+    world = dist.get_world_size(group)
+    parts = [x.raw_scale.new_empty(1) for _ in range(world)]
+    dist.all_gather(parts, x.raw_scale.reshape(1).contiguous(), group=group)
+    scales = torch.cat(parts)
+    s_max = scales.amax()
+    factor = torch.repeat_interleave(
+        scales / s_max, torch.tensor(out_splits, device=scales.device), output_size=bits.shape[0]
+    )
+    q = (bits.view(x.fp8_dtype).float() * factor[:, None]).to(x.fp8_dtype)
+    return x._rewrap(q, s_max)
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group):
+        ctx.splits = (out_splits, in_splits, group)
+        return _a2a_rows(x, out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits, group = ctx.splits
+        if isinstance(grad, QuantizedTensor):
+            grad = grad._dequantize_raw()
+        return _a2a_plain(grad, in_splits, out_splits, group), None, None, None
+
+
+def _counts_a2a(counts: torch.Tensor, group) -> torch.Tensor:
+    """Exchange ``[E]`` per-expert counts: returns ``[W*L]``, (source rank, local expert)."""
+    out = torch.empty_like(counts)
+    dist.all_to_all_single(out, counts.contiguous(), group=group)
+    return out
+
+
+# ------------------------------------------------------------------- handle
+@dataclass
+class DispatchHandle:
+    """What ``combine`` needs from ``dispatch`` (all on the tokens' device)."""
+
+    row_id_map: torch.Tensor  # (T, 2E+1) int32: where each token's rows went
+    probs: torch.Tensor | None  # (T, E) merging probs, or None
+    grouped_sizes: torch.Tensor  # sizes of the chunks in the grouped (by local expert) order
+    back_index: torch.Tensor  # chunk order that undoes the grouping
+    send_splits: list[int]  # rows sent to each rank (received back in combine)
+    recv_splits: list[int]  # rows received from each rank
+    group: object
+    num_rows: int  # rows of the permuted buffer before the all-to-all
+
+
+def _group_order(world: int, local: int, device, pad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunk orders: (grouping, inverse). Chunks arrive as (rank j, local expert l) with
+    ``pad`` adding one trailing chunk per rank; grouped order is l-major, pads last."""
+    per = local + (1 if pad else 0)
+    j = torch.arange(world, device=device)
+    l_ = torch.arange(local, device=device)
+    order = (j[None, :] * per + l_[:, None]).reshape(-1)  # (l, j) -> arrival chunk id
+    if pad:
+        order = torch.cat([order, j * per + local])
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=device)
+    return order, inverse
+
+
+def dispatch(
+    x: torch.Tensor,
+    probs: torch.Tensor | None,
+    routing_map: torch.Tensor,
+    num_local_experts: int,
+    group=None,
+    *,
+    capacity: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
+    """Send each token's rows to the ranks that own its experts.
+
+    Args:
+        x: ``[T, H]`` high precision, or a qmoe FP8 tensor (travels quantized).
+        probs: ``[T, E]`` router probs used as merging probs in ``combine`` (or None).
+        routing_map: ``[T, E]`` bool / 0-1 mask over the E = W * L global experts.
+        num_local_experts: L.
+        capacity: rows each rank sends to each rank; ``None`` sends exactly the routed
+            rows (one host sync for the split sizes), an int is sync-free (padded with
+            zero rows; rows past it are dropped).
+
+    Returns ``(expert_input [R, H], tokens_per_local_expert [L] int64, handle)``:
+    ``expert_input`` holds local expert 0's rows, then expert 1's, ... (with ``capacity``,
+    zero padding rows follow them); it has ``x``'s type.
+    """
+    if routing_map.dim() != 2:
+        raise ValueError(f"dispatch: routing_map must be [T, E], got {tuple(routing_map.shape)}")
+    world = dist.get_world_size(group)
+    e = routing_map.shape[1]
+    if num_local_experts < 1 or e != world * num_local_experts:
+        raise ValueError(
+            f"dispatch: routing_map has E={e} experts but world_size={world} x "
+            f"num_local_experts={num_local_experts} = {world * num_local_experts}"
+        )
+    if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int)
+                                 or capacity < 0):
+        raise ValueError(f"dispatch: capacity must be a non-negative int, got {capacity!r}")
+    dev = x.device
+    mask = routing_map != 0
+    counts = mask.sum(0)  # (E,) int64
+    if capacity is None:
+        recv_counts = _counts_a2a(counts, group)
+        host = torch.cat([counts, recv_counts]).tolist()  # the one host sync
+        send_splits = [sum(host[j * num_local_experts:(j + 1) * num_local_experts])
+                       for j in range(world)]
+        recv = host[e:]
+        recv_splits = [sum(recv[j * num_local_experts:(j + 1) * num_local_experts])
+                       for j in range(world)]
+        n = sum(send_splits)
+        out, rid = moe_permute(x, mask, n)
+        sizes = recv_counts
+        order, inverse = _group_order(world, num_local_experts, dev, pad=False)
+    else:
+        c = capacity
+        rid = _capacity_map(mask, counts, world, num_local_experts, c)
+        n = world * c
+        out, _ = torch.ops.qmoe.permute(x, rid, None, n)
+        kept = _kept_counts(counts, world, num_local_experts, c)
+        recv_kept = _counts_a2a(kept, group).view(world, num_local_experts)
+        pads = c - recv_kept.sum(1, keepdim=True)
+        sizes = torch.cat([recv_kept, pads], dim=1).reshape(-1)
+        send_splits = recv_splits = [c] * world
+        order, inverse = _group_order(world, num_local_experts, dev, pad=True)
+        recv_counts = recv_kept.reshape(-1)
+    received = _AllToAll.apply(out, recv_splits, send_splits, group)
+    grouped = moe_sort_chunks_by_index(received, sizes, order)
+    tokens_per_local_expert = recv_counts.view(world, num_local_experts).sum(0)
+    handle = DispatchHandle(
+        row_id_map=rid, probs=probs, grouped_sizes=sizes[order], back_index=inverse,
+        send_splits=send_splits, recv_splits=recv_splits, group=group, num_rows=n,
+    )
+    return grouped, tokens_per_local_expert, handle
+
+
+def combine(expert_output: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+    """Bring the expert outputs home and merge them: ``[T, H]``, weighted by the router
+    probs given to ``dispatch`` (fp32 accumulation). No host sync."""
+    h = handle
+    back = moe_sort_chunks_by_index(expert_output, h.grouped_sizes, h.back_index)
+    home = _AllToAll.apply(back, h.send_splits, h.recv_splits, h.group)
+    return moe_unpermute(home, h.row_id_map, h.probs)
+
+
+def _kept_counts(counts: torch.Tensor, world: int, local: int, c: int) -> torch.Tensor:
+    """Per expert, how many of its rows fit in the C rows sent to its rank."""
+    per_rank = counts.view(world, local)
+    before = torch.cumsum(per_rank, 1) - per_rank
+    return (c - before).clamp(min=0).minimum(per_rank).reshape(-1)
+
+
+def _capacity_map(mask, counts, world: int, local: int, c: int) -> torch.Tensor:
+    """row_id_map whose rows are ``rank * C + position within the rank's rows``; routes
+    past position C are dropped. Device ops only."""
+    t, e = mask.shape
+    rid = torch.ops.qmoe.make_row_id_map(mask, t * e, False, 1)
+    s = num_slots(rid)
+    dst, col = rid[:, :s].long(), rid[:, s : 2 * s].long()
+    start = torch.cumsum(counts, 0) - counts  # first row of each expert
+    rank_start = start.view(world, local)[:, 0]
+    j = torch.where(col >= 0, col, 0) // local
+    rel = dst - rank_start[j]
+    keep = (dst >= 0) & (rel < c)
+    new = torch.where(keep, j * c + rel, -1).to(torch.int32)
+    return _compact(new, torch.where(keep, col, -1).to(torch.int32))
+
+
+def wire_bytes_per_row(x: torch.Tensor) -> int:
+    """Bytes one row costs on the wire: H * elem, or fp8 bits plus its scale row."""
+    h = x.shape[-1]
+    if isinstance(x, QuantizedTensor):
+        scale = x.raw_scale
+        per_row_scale = 0 if x.block_size is None else scale.shape[-1] * scale.element_size()
+        return h + per_row_scale
+    return h * x.element_size()
+
+
+class TokenDispatcher(torch.nn.Module):
+    """Module form: ``expert_in, tokens_per_expert = d.dispatch(x, probs, routing_map)``,
+    then ``y = d.combine(expert_out)``. Holds the last dispatch's handle between the two
+    calls (per instance; use one instance per in-flight micro-batch)."""
+
+    def __init__(self, num_local_experts: int, group=None, capacity: int | None = None):
+        super().__init__()
+        self.num_local_experts = num_local_experts
+        self.group = group
+        self.capacity = capacity
+        self._handle: DispatchHandle | None = None
+
+    def dispatch(self, x, probs, routing_map):
+        out, tpe, self._handle = dispatch(
+            x, probs, routing_map, self.num_local_experts, self.group, capacity=self.capacity
+        )
+        return out, tpe
+
+    def combine(self, expert_output):
+        if self._handle is None:
+            raise RuntimeError("TokenDispatcher.combine called before dispatch")
+        handle, self._handle = self._handle, None
+        return combine(expert_output, handle)
