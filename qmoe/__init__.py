@@ -1,5 +1,6 @@
 """qmoe: FP8 mixture-of-experts token permutation for PyTorch."""
 
+from qmoe._backends import backends, load_cpp_kernels
 from qmoe.ops import (
     moe_permute,
     moe_permute_and_pad_with_probs,
@@ -26,9 +27,12 @@ from qmoe.tensors import (
     unregister_passthrough,
 )
 
+load_cpp_kernels()  # dlopen of the prebuilt CPU kernels, when present; never compiles
+
 __version__ = "0.1.0"
 
 __all__ = [
+    "backends",
     "moe_permute",
     "moe_permute_with_probs",
     "moe_permute_and_pad_with_probs",

@@ -1,0 +1,527 @@
+// CPU kernels for the qmoe:: ops (schemas are defined in Python, qmoe/_library.py).
+//
+// Glossary: T tokens, E experts, K top-k slots, S map slots per token (E or K), H hidden,
+// N output rows, P probs columns. row_id_map: int32 [T, 2S+1] (qmoe/ops/row_id_map.py).
+//
+// Every kernel computes exactly what the vectorized torch path computes: data movement is
+// byte copies, merges accumulate in fp32 in row order with separate multiply and add
+// (built with -ffp-contract=off), quantization follows the torch reference step by step.
+// Rows are parallelized with at::parallel_for; each output row has one writer.
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace qmoe {
+namespace {
+
+using at::Tensor;
+
+#define QMOE_CHECK(cond, op, ...) TORCH_CHECK(cond, "qmoe::", op, ": ", __VA_ARGS__)
+
+int64_t slots_of(const Tensor& rid) { return (rid.size(1) - 1) / 2; }
+
+void check_map(const char* op, const Tensor& rid, int64_t t) {
+  QMOE_CHECK(rid.scalar_type() == at::kInt && rid.dim() == 2 && rid.size(1) % 2 == 1, op,
+             "row_id_map must be int32 [T, 2*S + 1], got ", rid.scalar_type(), " ", rid.sizes(),
+             "; pass the map returned by qmoe.moe_permute*");
+  QMOE_CHECK(rid.size(0) == t, op, "row_id_map has ", rid.size(0), " rows but the tokens are ",
+             t, "; they must match (T)");
+  QMOE_CHECK(rid.is_contiguous(), op, "row_id_map must be contiguous");
+}
+
+// Rows of a 2-d tensor whose last dim is contiguous (any row stride).
+Tensor rows_view(const Tensor& x) { return x.stride(1) == 1 ? x : x.contiguous(); }
+
+template <typename F>
+void for_each_route(const Tensor& rid, F f) {
+  const int64_t t = rid.size(0), s = slots_of(rid), w = 2 * s + 1;
+  const int32_t* m = rid.data_ptr<int32_t>();
+  at::parallel_for(0, t, 64, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      const int32_t* row = m + i * w;
+      f(i, row, row + s, row[2 * s]);
+    }
+  });
+}
+
+// ------------------------------------------------------------- make_row_id_map
+void write_compact(int32_t* row, int64_t s, const std::vector<std::pair<int32_t, int32_t>>& kept) {
+  int64_t j = 0;
+  for (const auto& kv : kept) {
+    row[j] = kv.first;
+    row[s + j] = kv.second;
+    ++j;
+  }
+  for (int64_t q = j; q < s; ++q) row[q] = row[s + q] = -1;
+  row[2 * s] = static_cast<int32_t>(j);
+}
+
+template <typename M>
+Tensor mask_map(const Tensor& rm, int64_t n, int64_t align) {
+  const int64_t t = rm.size(0), e = rm.size(1);
+  auto m = rm.contiguous();
+  const M* mp = m.data_ptr<M>();
+  std::vector<int64_t> counts(e, 0);
+  for (int64_t i = 0; i < t; ++i)
+    for (int64_t j = 0; j < e; ++j) counts[j] += mp[i * e + j] != 0;
+  std::vector<int64_t> cursor(e, 0);
+  int64_t acc = 0;
+  for (int64_t j = 0; j < e; ++j) {
+    cursor[j] = acc;  // start of expert j
+    acc += align > 1 ? (counts[j] + align - 1) / align * align : counts[j];
+  }
+  auto rid = at::empty({t, 2 * e + 1}, m.options().dtype(at::kInt));
+  int32_t* r = rid.data_ptr<int32_t>();
+  std::vector<std::pair<int32_t, int32_t>> kept;
+  kept.reserve(e);
+  for (int64_t i = 0; i < t; ++i) {  // token order gives the in-expert rank
+    kept.clear();
+    for (int64_t j = 0; j < e; ++j) {
+      if (mp[i * e + j] == 0) continue;
+      const int64_t dst = cursor[j]++;
+      if (dst < n) kept.emplace_back(static_cast<int32_t>(dst), static_cast<int32_t>(j));
+    }
+    write_compact(r + i * (2 * e + 1), e, kept);
+  }
+  return rid;
+}
+
+template <typename I>
+Tensor index_map(const Tensor& rm, int64_t n) {
+  const int64_t t = rm.size(0), k = rm.size(1);
+  auto m = rm.contiguous();
+  const I* ip = m.data_ptr<I>();
+  int64_t e = 0;
+  for (int64_t q = 0; q < t * k; ++q) {
+    QMOE_CHECK(ip[q] >= -1, "make_row_id_map", "routing_map holds expert id ",
+               static_cast<int64_t>(ip[q]), "; ids must be in [-1, E)");
+    e = std::max<int64_t>(e, static_cast<int64_t>(ip[q]) + 1);
+  }
+  std::vector<int64_t> cursor(e, 0);
+  for (int64_t q = 0; q < t * k; ++q)
+    if (ip[q] >= 0) ++cursor[ip[q]];
+  int64_t acc = 0;
+  for (int64_t j = 0; j < e; ++j) {
+    const int64_t c = cursor[j];
+    cursor[j] = acc;
+    acc += c;
+  }
+  // A counting sort: expert-major, then (t, k) order, as a stable sort of the ids gives.
+  std::vector<int64_t> dst(t * k, -1);
+  for (int64_t q = 0; q < t * k; ++q)
+    if (ip[q] >= 0) dst[q] = cursor[ip[q]]++;
+  auto rid = at::empty({t, 2 * k + 1}, m.options().dtype(at::kInt));
+  int32_t* r = rid.data_ptr<int32_t>();
+  at::parallel_for(0, t, 256, [&](int64_t b, int64_t end) {
+    std::vector<std::pair<int32_t, int32_t>> kept;
+    for (int64_t i = b; i < end; ++i) {
+      kept.clear();
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t d = dst[i * k + j];
+        if (d >= 0 && d < n) kept.emplace_back(static_cast<int32_t>(d), static_cast<int32_t>(j));
+      }
+      std::sort(kept.begin(), kept.end());  // routes by output row
+      write_compact(r + i * (2 * k + 1), k, kept);
+    }
+  });
+  return rid;
+}
+
+Tensor make_row_id_map(const Tensor& rm, int64_t n, bool is_index, int64_t align) {
+  QMOE_CHECK(rm.dim() == 2, "make_row_id_map", "routing_map must be 2-d, got ", rm.sizes());
+  QMOE_CHECK(n >= 0, "make_row_id_map", "num_out_tokens must be >= 0, got ", n);
+  QMOE_CHECK(align >= 1, "make_row_id_map", "align_size must be >= 1, got ", align);
+  if (is_index) {
+    switch (rm.scalar_type()) {
+      case at::kLong: return index_map<int64_t>(rm, n);
+      case at::kInt: return index_map<int32_t>(rm, n);
+      case at::kShort: return index_map<int16_t>(rm, n);
+      case at::kChar: return index_map<int8_t>(rm, n);
+      default: TORCH_CHECK(false, "qmoe::make_row_id_map: index routing_map must be an integer "
+                                  "tensor, got ", rm.scalar_type());
+    }
+  }
+  switch (rm.scalar_type()) {
+    case at::kBool: return mask_map<bool>(rm, n, align);
+    case at::kByte: return mask_map<uint8_t>(rm, n, align);
+    case at::kChar: return mask_map<int8_t>(rm, n, align);
+    case at::kShort: return mask_map<int16_t>(rm, n, align);
+    case at::kInt: return mask_map<int32_t>(rm, n, align);
+    case at::kLong: return mask_map<int64_t>(rm, n, align);
+    default: TORCH_CHECK(false, "qmoe::make_row_id_map: mask routing_map must be bool or "
+                                "integer, got ", rm.scalar_type());
+  }
+}
+
+// --------------------------------------------------------------------- permute
+float weight_at(const Tensor& w, int64_t t, int64_t c) {
+  return AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, w.scalar_type(), "w", [&] {
+    return static_cast<float>(w.data_ptr<scalar_t>()[t * w.stride(0) + c * w.stride(1)]);
+  });
+}
+
+// out[N, H]: token rows (times weight if given) at their rows, other rows zero.
+Tensor permute_rows(const Tensor& inp, const Tensor& rid, int64_t n,
+                    const c10::optional<Tensor>& weights) {
+  const char* op = "permute";
+  QMOE_CHECK(inp.dim() == 2, op, "inp must be [T, H], got ", inp.sizes());
+  check_map(op, rid, inp.size(0));
+  QMOE_CHECK(n >= 0, op, "num_out_tokens must be >= 0, got ", n);
+  auto x = rows_view(inp);
+  const int64_t h = x.size(1), es = x.element_size(), rb = h * es;
+  auto out = at::empty({n, h}, x.options());
+  std::vector<char> written(n, 0);
+  char* o = static_cast<char*>(out.data_ptr());
+  const char* xp = static_cast<const char*>(x.data_ptr());
+  const int64_t xs = x.stride(0) * es;
+  if (!weights.has_value()) {
+    for_each_route(rid, [&](int64_t t, const int32_t* dst, const int32_t*, int32_t cnt) {
+      for (int32_t s = 0; s < cnt; ++s) {
+        TORCH_CHECK(dst[s] >= 0 && dst[s] < n, "qmoe::permute: row_id_map row ", dst[s],
+                    " out of range for num_out_tokens=", n, "; rebuild the map for this N");
+        std::memcpy(o + dst[s] * rb, xp + t * xs, rb);
+        written[dst[s]] = 1;
+      }
+    });
+  } else {
+    const Tensor& w = *weights;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "permute_w", [&] {
+      for_each_route(rid, [&](int64_t t, const int32_t* dst, const int32_t* col, int32_t cnt) {
+        const scalar_t* src = reinterpret_cast<const scalar_t*>(xp + t * xs);
+        for (int32_t s = 0; s < cnt; ++s) {
+          TORCH_CHECK(dst[s] >= 0 && dst[s] < n, "qmoe::permute: row_id_map row out of range");
+          const float wv = weight_at(w, t, col[s]);
+          scalar_t* d = reinterpret_cast<scalar_t*>(o + dst[s] * rb);
+          for (int64_t j = 0; j < h; ++j) d[j] = static_cast<scalar_t>(static_cast<float>(src[j]) * wv);
+          written[dst[s]] = 1;
+        }
+      });
+    });
+  }
+  at::parallel_for(0, n, 256, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r)
+      if (!written[r]) std::memset(o + r * rb, 0, rb);
+  });
+  return out;
+}
+
+Tensor permute_probs(const Tensor& probs, const Tensor& rid, int64_t n) {
+  auto pp = at::zeros({n}, probs.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, probs.scalar_type(), "pp", [&] {
+    scalar_t* out = pp.data_ptr<scalar_t>();
+    const scalar_t* p = probs.data_ptr<scalar_t>();
+    for_each_route(rid, [&](int64_t t, const int32_t* dst, const int32_t* col, int32_t cnt) {
+      for (int32_t s = 0; s < cnt; ++s) out[dst[s]] = p[t * probs.stride(0) + col[s] * probs.stride(1)];
+    });
+  });
+  return pp;
+}
+
+std::tuple<Tensor, Tensor> permute(const Tensor& inp, const Tensor& rid,
+                                   const c10::optional<Tensor>& probs, int64_t n) {
+  auto out = permute_rows(inp, rid, n, c10::nullopt);
+  if (!probs.has_value()) return {out, at::empty({0}, inp.options())};
+  QMOE_CHECK(probs->dim() == 2 && probs->size(0) == inp.size(0), "permute",
+             "probs must be [T, P], got ", probs->sizes());
+  return {out, permute_probs(*probs, rid, n)};
+}
+
+// ------------------------------------------------------------------- unpermute
+// acc[t] += float(row value) (* weight), rows in map order; `load(row, j)` gives the value.
+template <typename out_t, typename Load>
+Tensor merge(const Tensor& rid, int64_t h, const c10::optional<Tensor>& w, at::TensorOptions opt,
+             Load load) {
+  const int64_t t = rid.size(0);
+  auto out = at::empty({t, h}, opt);
+  out_t* o = out.data_ptr<out_t>();
+  for_each_route(rid, [&](int64_t i, const int32_t* dst, const int32_t* col, int32_t cnt) {
+    std::vector<float> acc(h, 0.f);
+    for (int32_t s = 0; s < cnt; ++s) {
+      const float wv = w.has_value() ? weight_at(*w, i, col[s]) : 1.f;
+      for (int64_t j = 0; j < h; ++j) {
+        const float v = load(dst[s], j);
+        acc[j] = w.has_value() ? acc[j] + v * wv : acc[j] + v;
+      }
+    }
+    for (int64_t j = 0; j < h; ++j) o[i * h + j] = static_cast<out_t>(acc[j]);
+  });
+  return out;
+}
+
+void check_weights(const char* op, const c10::optional<Tensor>& w, int64_t t, int64_t s) {
+  if (!w.has_value()) return;
+  QMOE_CHECK(w->dim() == 2 && w->size(0) == t && w->size(1) == s, op,
+             "merging_probs must be [T, ", s, "] = [", t, ", ", s, "], got ", w->sizes());
+}
+
+Tensor unpermute(const Tensor& inp, const Tensor& rid, const c10::optional<Tensor>& w) {
+  const char* op = "unpermute";
+  QMOE_CHECK(inp.dim() == 2, op, "inp must be [N, H], got ", inp.sizes());
+  QMOE_CHECK(rid.dim() == 2, op, "row_id_map must be 2-d");
+  check_map(op, rid, rid.size(0));
+  check_weights(op, w, rid.size(0), slots_of(rid));
+  auto x = inp.contiguous();
+  const int64_t h = x.size(1), nrows = x.size(0);
+  Tensor out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "unpermute", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    out = merge<scalar_t>(rid, h, w, x.options(), [&](int32_t d, int64_t j) {
+      TORCH_CHECK(d >= 0 && d < nrows, "qmoe::unpermute: row_id_map row ", d,
+                  " out of range for inp with ", nrows, " rows");
+      return static_cast<float>(xp[d * h + j]);
+    });
+  });
+  return out;
+}
+
+// fp8 bits * scale, as QuantizedTensor.dequantize defines it (layout 0: per-tensor fp32,
+// 1: fp32 block scales, 2: e8m0 block scale bits).
+float e8m0_value(uint8_t b) {
+  if (b == 255) return std::numeric_limits<float>::quiet_NaN();
+  if (b == 0) return std::ldexp(1.f, -127);
+  uint32_t bits = static_cast<uint32_t>(b) << 23;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+Tensor unpermute_fp8(const Tensor& qbits, const Tensor& scale, const Tensor& rid,
+                     const c10::optional<Tensor>& w, int64_t layout, int64_t block_size,
+                     at::ScalarType fp8_dtype, at::ScalarType out_dtype) {
+  const char* op = "unpermute_fp8";
+  QMOE_CHECK(qbits.scalar_type() == at::kByte && qbits.dim() == 2, op,
+             "qbits must be uint8 [N, H], got ", qbits.scalar_type(), " ", qbits.sizes());
+  check_map(op, rid, rid.size(0));
+  check_weights(op, w, rid.size(0), slots_of(rid));
+  QMOE_CHECK(layout >= 0 && layout <= 2, op, "layout must be 0, 1 or 2, got ", layout);
+  QMOE_CHECK(layout == 0 || block_size > 0, op, "block_size must be > 0 for block scales");
+  auto q = qbits.contiguous();
+  auto sc = scale.contiguous();
+  const int64_t h = q.size(1), nrows = q.size(0);
+  const int64_t nb = layout == 0 ? 1 : sc.size(-1);
+  QMOE_CHECK(layout == 0 ? sc.numel() == 1 : (sc.dim() == 2 && sc.size(0) == nrows), op,
+             "scale does not match the rows: ", sc.sizes(), " for qbits ", q.sizes());
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  const bool e4m3 = fp8_dtype == at::kFloat8_e4m3fn;
+  QMOE_CHECK(e4m3 || fp8_dtype == at::kFloat8_e5m2, op, "fp8_dtype must be e4m3fn or e5m2");
+  auto decode = [&](uint8_t b) -> float {
+    return e4m3 ? static_cast<float>(c10::Float8_e4m3fn(b, c10::Float8_e4m3fn::from_bits()))
+                : static_cast<float>(c10::Float8_e5m2(b, c10::Float8_e5m2::from_bits()));
+  };
+  auto scale_at = [&](int32_t d, int64_t j) -> float {
+    if (layout == 0) return sc.data_ptr<float>()[0];
+    const int64_t idx = d * nb + j / block_size;
+    return layout == 1 ? sc.data_ptr<float>()[idx] : e8m0_value(sc.data_ptr<uint8_t>()[idx]);
+  };
+  Tensor out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out_dtype, "unpermute_fp8", [&] {
+    out = merge<scalar_t>(rid, h, w, q.options().dtype(out_dtype), [&](int32_t d, int64_t j) {
+      TORCH_CHECK(d >= 0 && d < nrows, "qmoe::unpermute_fp8: row_id_map row out of range");
+      return decode(qp[d * h + j]) * scale_at(d, j);
+    });
+  });
+  return out;
+}
+
+Tensor merge_weight_grad(const Tensor& grad, const Tensor& x, const Tensor& rid, int64_t p) {
+  auto g = grad.contiguous().to(at::kFloat);
+  auto xf = x.contiguous().to(at::kFloat);
+  const int64_t t = g.size(0), h = g.size(1);
+  auto gw = at::zeros({t, p}, g.options());
+  float* o = gw.data_ptr<float>();
+  const float* gp = g.data_ptr<float>();
+  const float* xp = xf.data_ptr<float>();
+  for_each_route(rid, [&](int64_t i, const int32_t* dst, const int32_t* col, int32_t cnt) {
+    for (int32_t s = 0; s < cnt; ++s) {
+      double acc = 0.0;  // a fixed order; double keeps it close to the fp64 reference
+      for (int64_t j = 0; j < h; ++j) acc += static_cast<double>(gp[i * h + j]) * xp[dst[s] * h + j];
+      o[i * p + col[s]] = static_cast<float>(acc);
+    }
+  });
+  return gw;
+}
+
+std::tuple<Tensor, Tensor> unpermute_backward(const Tensor& grad, const Tensor& rid,
+                                              const c10::optional<Tensor>& w,
+                                              const c10::optional<Tensor>& fwd_inp,
+                                              int64_t num_rows) {
+  check_map("unpermute_backward", rid, grad.size(0));
+  auto gi = permute_rows(grad, rid, num_rows, w);
+  if (!w.has_value() || !fwd_inp.has_value()) return {gi, at::empty({0}, grad.options())};
+  return {gi, merge_weight_grad(grad, *fwd_inp, rid, w->size(1)).to(w->scalar_type())};
+}
+
+// ----------------------------------------------------------------- sort_chunks
+std::tuple<Tensor, Tensor> sort_chunks(const Tensor& inp, const Tensor& sizes, const Tensor& index,
+                                       const c10::optional<Tensor>& probs) {
+  const char* op = "sort_chunks";
+  QMOE_CHECK(inp.dim() == 2, op, "inp must be [T, H], got ", inp.sizes());
+  QMOE_CHECK(sizes.dim() == 1 && index.dim() == 1 && sizes.numel() == index.numel(), op,
+             "split_sizes and sorted_index must both be [C]");
+  auto sz = sizes.to(at::kLong).contiguous();
+  auto ix = index.to(at::kLong).contiguous();
+  const int64_t c = sz.numel(), t = inp.size(0);
+  const int64_t* s = sz.data_ptr<int64_t>();
+  const int64_t* k = ix.data_ptr<int64_t>();
+  std::vector<int64_t> start(c, 0);
+  int64_t total = 0;
+  for (int64_t i = 0; i < c; ++i) {
+    QMOE_CHECK(s[i] >= 0, op, "split_sizes must be >= 0, got ", s[i]);
+    start[i] = total;
+    total += s[i];
+  }
+  QMOE_CHECK(total <= t, op, "split_sizes must sum to at most T=", t, ", got ", total);
+  std::vector<int64_t> src(t);
+  int64_t r = 0;
+  for (int64_t j = 0; j < c; ++j) {
+    QMOE_CHECK(k[j] >= 0 && k[j] < c, op, "sorted_index entries must be in [0, ", c, "), got ", k[j]);
+    for (int64_t q = 0; q < s[k[j]]; ++q) src[r++] = start[k[j]] + q;
+  }
+  for (; r < t; ++r) src[r] = r;  // rows past the chunks stay in place
+  auto x = rows_view(inp);
+  auto out = at::empty_like(x, at::MemoryFormat::Contiguous);
+  const int64_t rb = x.size(1) * x.element_size(), xs = x.stride(0) * x.element_size();
+  const char* xp = static_cast<const char*>(x.data_ptr());
+  char* o = static_cast<char*>(out.data_ptr());
+  at::parallel_for(0, t, 256, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) std::memcpy(o + i * rb, xp + src[i] * xs, rb);
+  });
+  if (!probs.has_value()) return {out, at::empty({0}, inp.options())};
+  auto srct = at::from_blob(src.data(), {t}, at::kLong).clone();
+  return {out, probs->index_select(0, srct)};
+}
+
+// -------------------------------------------------------------------- quantize
+template <typename F8>
+uint8_t to_fp8(float y, float fmax) {
+  if (std::isnan(y)) y = std::numeric_limits<float>::quiet_NaN();  // canonical +NaN
+  else y = std::min(std::max(y, -fmax), fmax);
+  return F8(y).x;
+}
+
+float pow2_ceil(float s) {
+  if (std::isnan(s)) return s;
+  uint32_t b;
+  std::memcpy(&b, &s, 4);
+  b = (b + 0x7FFFFFu) & 0x7F800000u;
+  float f;
+  std::memcpy(&f, &b, 4);
+  return f;
+}
+
+float canonical(float s) { return std::isnan(s) ? std::numeric_limits<float>::quiet_NaN() : s; }
+
+template <typename scalar_t, typename F8>
+void quantize_rows_impl(const Tensor& x, Tensor& q, Tensor& s, int64_t bs, int64_t mode,
+                        float fmax, int64_t emax) {
+  const int64_t h = x.size(-1), r = x.numel() / std::max<int64_t>(h, 1);
+  const int64_t nb = (h + bs - 1) / bs;
+  const scalar_t* xp = x.data_ptr<scalar_t>();
+  uint8_t* qp = static_cast<uint8_t*>(q.data_ptr());
+  at::parallel_for(0, r, 16, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      for (int64_t blk = 0; blk < nb; ++blk) {
+        const int64_t lo = blk * bs, hi = std::min(h, lo + bs);
+        float amax = 0.f;
+        bool nan = false;
+        for (int64_t j = lo; j < hi; ++j) {
+          const float v = static_cast<float>(xp[i * h + j]);
+          nan |= std::isnan(v);
+          amax = std::max(amax, std::fabs(v));
+        }
+        if (nan) amax = std::numeric_limits<float>::quiet_NaN();
+        float divisor;
+        if (mode == 2) {  // OCP MX floor, as the torch reference
+          uint32_t bits;
+          std::memcpy(&bits, &amax, 4);
+          const int32_t ex = static_cast<int32_t>((bits >> 23) & 0xFF) - 127;
+          int32_t biased = std::min<int32_t>(std::max<int32_t>(ex - emax, -127), 128) + 127;
+          if (nan) biased = 255;
+          s.data_ptr<uint8_t>()[i * nb + blk] = static_cast<uint8_t>(biased);
+          const uint32_t sb = static_cast<uint32_t>(biased) << 23;
+          std::memcpy(&divisor, &sb, 4);
+          divisor = std::max(divisor, std::ldexp(1.f, -126));
+        } else {
+          divisor = (nan ? amax : std::max(amax, 1e-12f)) / fmax;
+          if (mode == 1) divisor = pow2_ceil(divisor);
+          divisor = canonical(divisor);
+          s.data_ptr<float>()[i * nb + blk] = divisor;
+        }
+        for (int64_t j = lo; j < hi; ++j)
+          qp[i * h + j] = to_fp8<F8>(static_cast<float>(xp[i * h + j]) / divisor, fmax);
+      }
+    }
+  });
+}
+
+std::tuple<Tensor, Tensor> quantize_blocks(const Tensor& x_in, int64_t bs, at::ScalarType fp8,
+                                           c10::string_view mode_s) {
+  const char* op = "quantize_blocks";
+  const std::string mode_str(mode_s);
+  const int64_t mode = mode_str == "amax" ? 0 : mode_str == "pow2" ? 1 : mode_str == "mx_floor" ? 2 : -1;
+  QMOE_CHECK(mode >= 0, op, "scale_mode must be 'amax', 'pow2' or 'mx_floor', got ", mode_str);
+  QMOE_CHECK(bs > 0, op, "block_size must be > 0");
+  const bool e4m3 = fp8 == at::kFloat8_e4m3fn;
+  QMOE_CHECK(e4m3 || fp8 == at::kFloat8_e5m2, op, "fp8_dtype must be e4m3fn or e5m2");
+  auto x = x_in.contiguous();
+  const int64_t h = x.size(-1), nb = (h + bs - 1) / bs;
+  auto q = at::empty(x.sizes(), x.options().dtype(fp8));
+  auto sshape = x.sizes().vec();
+  sshape.back() = nb;
+  auto s = at::empty(sshape, x.options().dtype(mode == 2 ? at::kByte : at::kFloat));
+  if (x.numel() == 0) return {q, s};
+  const float fmax = e4m3 ? 448.f : 57344.f;
+  const int64_t emax = e4m3 ? 8 : 15;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "quantize_blocks", [&] {
+    if (e4m3) quantize_rows_impl<scalar_t, c10::Float8_e4m3fn>(x, q, s, bs, mode, fmax, emax);
+    else quantize_rows_impl<scalar_t, c10::Float8_e5m2>(x, q, s, bs, mode, fmax, emax);
+  });
+  return {q, s};
+}
+
+Tensor quantize_with_scale(const Tensor& x_in, const Tensor& scale, at::ScalarType fp8) {
+  const char* op = "quantize_with_scale";
+  const bool e4m3 = fp8 == at::kFloat8_e4m3fn;
+  QMOE_CHECK(e4m3 || fp8 == at::kFloat8_e5m2, op, "fp8_dtype must be e4m3fn or e5m2");
+  QMOE_CHECK(scale.numel() == 1, op, "scale must have one element, got ", scale.sizes());
+  auto x = x_in.contiguous();
+  auto q = at::empty(x.sizes(), x.options().dtype(fp8));
+  const float sv = scale.to(at::kFloat).item<float>();
+  const float fmax = e4m3 ? 448.f : 57344.f;
+  uint8_t* qp = static_cast<uint8_t*>(q.data_ptr());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "quantize_with_scale", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    at::parallel_for(0, x.numel(), 4096, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) {
+        const float y = static_cast<float>(xp[i]) / sv;
+        qp[i] = e4m3 ? to_fp8<c10::Float8_e4m3fn>(y, fmax) : to_fp8<c10::Float8_e5m2>(y, fmax);
+      }
+    });
+  });
+  return q;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(qmoe, CPU, m) {
+  m.impl("make_row_id_map", &make_row_id_map);
+  m.impl("permute", &permute);
+  m.impl("unpermute", &unpermute);
+  m.impl("unpermute_backward", &unpermute_backward);
+  m.impl("unpermute_fp8", &unpermute_fp8);
+  m.impl("sort_chunks", &sort_chunks);
+  m.impl("quantize_blocks", &quantize_blocks);
+  m.impl("quantize_with_scale", &quantize_with_scale);
+}
+
+}  // namespace qmoe

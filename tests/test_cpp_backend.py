@@ -1,0 +1,120 @@
+"""The C++ CPU kernels (qmoe._C, from csrc/) against the vectorized torch path: bit for bit
+for data movement and quantization, fp64 for merges. Skipped when built with
+QMOE_SKIP_CPP_BUILD=1 (CI runs the suite both ways)."""
+
+import pytest
+import torch
+
+import qmoe
+from qmoe._backends import cpp_loaded
+from qmoe.ops import backend as B
+from qmoe.ops.row_id_map import _index_rows, _mask_rows
+from qmoe.ops.sort_chunks import chunk_source_rows
+from qmoe.tensors.quantize import _reference_blocks, _saturate_cast
+from tests.ops.helpers import KINDS, routing
+from tests.tensors.helpers import assert_same_bits
+
+pytestmark = pytest.mark.skipif(
+    not cpp_loaded(), reason="built without csrc/ (QMOE_SKIP_CPP_BUILD=1)"
+)
+ops = torch.ops.qmoe
+
+
+def test_backends_report():
+    assert qmoe.backends()["cpu"].startswith("c++")
+
+
+@pytest.mark.parametrize("t,e,k", [(1, 4, 2), (63, 7, 7), (200, 256, 8), (9, 1024, 4), (0, 4, 2)])
+@pytest.mark.parametrize("kind", KINDS)
+def test_maps(t, e, k, kind):
+    ids, mask = routing(t, e, k, kind)
+    for n in (int(mask.sum()), int(mask.sum()) // 2, int(mask.sum()) + 5):
+        for align in (1, 8):
+            got = ops.make_row_id_map(mask, n, False, align)
+            assert torch.equal(got, _mask_rows(mask, n, align))
+        assert torch.equal(ops.make_row_id_map(mask.int(), n, False, 1), _mask_rows(mask, n, 1))
+        assert torch.equal(ops.make_row_id_map(ids, n, True, 1), _index_rows(ids, n))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "t,h,e,k,extra", [(63, 17, 7, 3, 0), (100, 300, 16, 4, -30), (5, 1, 4, 4, 6)]
+)
+def test_move_and_merge(dtype, t, h, e, k, extra):
+    ids, mask = routing(t, e, k, "sentinels")
+    n = max(0, int(mask.sum()) + extra)
+    rid = _mask_rows(mask, n, 1)
+    x = torch.randn(t, h).to(dtype)
+    probs = torch.rand(t, e)
+    out, pp = ops.permute(x, rid, probs, n)
+    assert_same_bits(out, B.permute_rows(x, rid, n, use_triton=False))
+    y = torch.randn(n, h).to(dtype)
+    for w in (None, probs):
+        assert_same_bits(ops.unpermute(y, rid, w), B.unpermute_rows(y, rid, w, use_triton=False))
+    g = torch.randn(t, h).to(dtype)
+    gi, gw = ops.unpermute_backward(g, rid, probs, y, n)
+    assert_same_bits(gi, B.permute_rows(g, rid, n, probs, use_triton=False))
+    ref = B.merge_weight_grad(g.double(), y.double(), rid, e, use_triton=False)
+    torch.testing.assert_close(gw.double(), ref.double(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("recipe", ["pertensor", "blockwise", "mx"])
+def test_unpermute_fp8(recipe):
+    from qmoe.ops.fp8 import _bits, _layout
+
+    r = {"pertensor": qmoe.PerTensor(), "blockwise": qmoe.Blockwise(), "mx": qmoe.MXFP8()}[recipe]
+    t, e = 40, 8
+    ids, mask = routing(t, e, 3, "random")
+    n = int(mask.sum())
+    rid = _mask_rows(mask, n, 1)
+    q = qmoe.quantize(torch.randn(n, 200) * 10, r)
+    w = torch.rand(t, e)
+    for weights in (None, w):
+        got = ops.unpermute_fp8(_bits(q), q.raw_scale, rid, weights, _layout(q),
+                                q.block_size or 0, q.fp8_dtype, torch.float32)
+        want = B.unpermute_fp8_rows(_bits(q), q.raw_scale, _layout(q), q.block_size or 0,
+                                    q.fp8_dtype, rid, weights, torch.float32, use_triton=False)
+        assert_same_bits(got, want)
+
+
+def test_sort_chunks():
+    x = torch.randn(50, 33).to(torch.bfloat16)
+    sizes = torch.tensor([7, 0, 20, 13])
+    order = torch.tensor([2, 3, 0, 1])
+    p = torch.rand(50)
+    out, pp = ops.sort_chunks(x, sizes, order, p)
+    src = chunk_source_rows(sizes, order, 50)
+    assert_same_bits(out, x[src])
+    assert_same_bits(pp, p[src])
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("mode,bs", [("amax", 128), ("pow2", 128), ("mx_floor", 32), ("amax", 32)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_quantize(fp8, mode, bs, dtype):
+    x = torch.randn(9, 300) * torch.logspace(-30, 30, 9)[:, None]
+    x[1] = 0
+    x[2, 3] = float("nan")
+    x[3, 0] = float("inf")
+    x = x.to(dtype)
+    q, s = ops.quantize_blocks(x, bs, fp8, mode)
+    qr, sr = _reference_blocks(x, bs, fp8, mode)
+    assert_same_bits(q, qr)
+    assert_same_bits(s, sr)
+    scale = torch.tensor(0.37)
+    assert_same_bits(ops.quantize_with_scale(x, scale, fp8), _saturate_cast(x.float() / scale, fp8))
+
+
+def test_bad_input_is_an_exception_not_a_crash():
+    x = torch.randn(4, 8)
+    rid = torch.full((4, 5), -1, dtype=torch.int32)
+    rid[:, 4] = 1
+    rid[:, 0] = 99  # a row far past N
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.permute(x, rid, None, 3)
+    with pytest.raises(RuntimeError, match="row_id_map must be int32"):
+        ops.unpermute(x, rid.long(), None)
+    with pytest.raises(RuntimeError, match="sum to at most"):
+        ops.sort_chunks(x, torch.tensor([3, 3]), torch.tensor([0, 1]), None)
+    with pytest.raises(RuntimeError, match="ids must be in"):
+        ops.make_row_id_map(torch.tensor([[-3, 0]]), 2, True, 1)
