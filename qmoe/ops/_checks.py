@@ -27,6 +27,15 @@ def check_tensor(fn: str, name: str, x, *, ndim: int | None = None, dtypes=None,
 
 def check_input(fn: str, inp) -> None:
     check_tensor(fn, "inp", inp, ndim=2, dtypes=_FLOATS, fix="pass tokens as [T, H]")
+    from qmoe.tensors.base import QuantizedTensor
+
+    if isinstance(inp, QuantizedTensor) and torch.compiler.is_exporting():
+        raise NotImplementedError(
+            f"{fn}: torch.export of a quantized inp ({type(inp).__name__}) is not supported: "
+            "torch's pre-dispatch export tracing does not run the tensor subclass's dispatch "
+            "rule for custom ops (the op returns NotImplemented). Export the high-precision "
+            "path (dequantize() before the op), or use torch.compile, which handles it"
+        )
 
 
 def check_same_device(fn: str, ref_name: str, ref: torch.Tensor, **others) -> None:

@@ -1,0 +1,48 @@
+"""torch.export and AOTInductor (CPU) of a module that calls the qmoe ops."""
+
+import pytest
+import torch
+
+import qmoe
+
+pytestmark = pytest.mark.compile
+
+
+class Block(torch.nn.Module):
+    def __init__(self, recipe=None):
+        super().__init__()
+        self.recipe = recipe
+
+    def forward(self, x, mask, probs, sizes, order):
+        inp = x if self.recipe is None else qmoe.quantize(x, self.recipe)
+        out, pp, rid = qmoe.moe_permute_with_probs(inp, probs, mask, x.shape[0] * 2)
+        rows = out if self.recipe is None else out.dequantize()
+        rows = qmoe.moe_sort_chunks_by_index(rows * pp[:, None], sizes, order)
+        return qmoe.moe_unpermute(rows, rid, probs)
+
+
+def _inputs():
+    t, h, e = 16, 128, 4
+    x = torch.randn(t, h)
+    ids = torch.rand(t, e).argsort(1)[:, :2]
+    mask = torch.zeros(t, e, dtype=torch.bool).scatter_(1, ids, True)
+    return x, mask, torch.rand(t, e), torch.tensor([32, 0]), torch.tensor([0, 1])
+
+
+def test_export_and_aoti_roundtrip(tmp_path):
+    args = _inputs()
+    m = Block()
+    ep = torch.export.export(m, args)
+    targets = {str(n.target) for n in ep.graph.nodes}
+    assert {"qmoe.make_row_id_map.default", "qmoe.permute.default", "qmoe.unpermute.default",
+            "qmoe.sort_chunks.default"} <= targets
+    want = m(*args)
+    assert torch.equal(ep.module()(*args), want)
+    path = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "b.pt2"))
+    loaded = torch._inductor.aoti_load_package(path)
+    assert torch.equal(loaded(*args), want)
+
+
+def test_export_of_quantized_inp_raises_clearly():
+    with pytest.raises(NotImplementedError, match="torch.export of a quantized inp"):
+        torch.export.export(Block(qmoe.Blockwise()), _inputs())
