@@ -1,12 +1,14 @@
 # The two commands the README promises: `make demo` and `make test`.
 # Both install what they need: torch==2.13.0 first when torch is missing (never a bare
-# `torch`, which would pull a multi-GB CUDA build), then qmoe itself.
+# `torch`, which would pull a multi-GB CUDA build), then qmoe itself, compiling csrc/ against
+# that torch (QMOE_SKIP_CPP_BUILD=1 skips the C++ build; the torch CPU path then serves).
 PY ?= python3
 
 .PHONY: setup demo test lint bench
 
 setup:
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	@if [ "$${QMOE_SKIP_CPP_BUILD:-0}" = 1 ]; then rm -f qmoe/_C*.so; fi
 	$(PY) -m pip install -q --no-build-isolation -e ".[test]"
 
 demo: setup

@@ -237,23 +237,40 @@ std::tuple<Tensor, Tensor> permute(const Tensor& inp, const Tensor& rid,
 }
 
 // ------------------------------------------------------------------- unpermute
-// acc[t] += float(row value) (* weight), rows in map order; `load(row, j)` gives the value.
-template <typename out_t, typename Load>
-Tensor merge(const Tensor& rid, int64_t h, const c10::optional<Tensor>& w, at::TensorOptions opt,
-             Load load) {
+// acc[t] += float(row) (* weight), rows in map order. `row_to_float(d, buf)` writes row d
+// as fp32 into buf (H floats); the sums are separate multiply and add, as the torch path.
+template <typename out_t, typename RowToFloat>
+Tensor merge(const Tensor& rid, int64_t h, int64_t nrows, const c10::optional<Tensor>& w,
+             at::TensorOptions opt, RowToFloat row_to_float) {
   const int64_t t = rid.size(0);
   auto out = at::empty({t, h}, opt);
   out_t* o = out.data_ptr<out_t>();
-  for_each_route(rid, [&](int64_t i, const int32_t* dst, const int32_t* col, int32_t cnt) {
-    std::vector<float> acc(h, 0.f);
-    for (int32_t s = 0; s < cnt; ++s) {
-      const float wv = w.has_value() ? weight_at(*w, i, col[s]) : 1.f;
-      for (int64_t j = 0; j < h; ++j) {
-        const float v = load(dst[s], j);
-        acc[j] = w.has_value() ? acc[j] + v * wv : acc[j] + v;
+  const int64_t s_ = slots_of(rid), width = 2 * s_ + 1;
+  const int32_t* m = rid.data_ptr<int32_t>();
+  at::parallel_for(0, t, 16, [&](int64_t b, int64_t e) {
+    std::vector<float> acc(h), v(h);
+    for (int64_t i = b; i < e; ++i) {
+      const int32_t* dst = m + i * width;
+      const int32_t* col = dst + s_;
+      const int32_t cnt = dst[2 * s_];
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int32_t s = 0; s < cnt; ++s) {
+        TORCH_CHECK(dst[s] >= 0 && dst[s] < nrows, "qmoe: row_id_map row ", dst[s],
+                    " out of range for an input of ", nrows, " rows");
+        row_to_float(dst[s], v.data());
+        if (w.has_value()) {
+          const float wv = weight_at(*w, i, col[s]);
+          for (int64_t j = 0; j < h; ++j) {
+            const float p = v[j] * wv;
+            acc[j] += p;
+          }
+        } else {
+          for (int64_t j = 0; j < h; ++j) acc[j] += v[j];
+        }
       }
+      out_t* oi = o + i * h;
+      for (int64_t j = 0; j < h; ++j) oi[j] = static_cast<out_t>(acc[j]);
     }
-    for (int64_t j = 0; j < h; ++j) o[i * h + j] = static_cast<out_t>(acc[j]);
   });
   return out;
 }
@@ -275,10 +292,9 @@ Tensor unpermute(const Tensor& inp, const Tensor& rid, const c10::optional<Tenso
   Tensor out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "unpermute", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
-    out = merge<scalar_t>(rid, h, w, x.options(), [&](int32_t d, int64_t j) {
-      TORCH_CHECK(d >= 0 && d < nrows, "qmoe::unpermute: row_id_map row ", d,
-                  " out of range for inp with ", nrows, " rows");
-      return static_cast<float>(xp[d * h + j]);
+    out = merge<scalar_t>(rid, h, nrows, w, x.options(), [&](int32_t d, float* v) {
+      const scalar_t* r = xp + d * h;
+      for (int64_t j = 0; j < h; ++j) v[j] = static_cast<float>(r[j]);
     });
   });
   return out;
@@ -314,20 +330,24 @@ Tensor unpermute_fp8(const Tensor& qbits, const Tensor& scale, const Tensor& rid
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const bool e4m3 = fp8_dtype == at::kFloat8_e4m3fn;
   QMOE_CHECK(e4m3 || fp8_dtype == at::kFloat8_e5m2, op, "fp8_dtype must be e4m3fn or e5m2");
-  auto decode = [&](uint8_t b) -> float {
-    return e4m3 ? static_cast<float>(c10::Float8_e4m3fn(b, c10::Float8_e4m3fn::from_bits()))
-                : static_cast<float>(c10::Float8_e5m2(b, c10::Float8_e5m2::from_bits()));
-  };
-  auto scale_at = [&](int32_t d, int64_t j) -> float {
-    if (layout == 0) return sc.data_ptr<float>()[0];
-    const int64_t idx = d * nb + j / block_size;
-    return layout == 1 ? sc.data_ptr<float>()[idx] : e8m0_value(sc.data_ptr<uint8_t>()[idx]);
-  };
+  float lut[256];  // fp8 bits -> fp32, exact
+  for (int b = 0; b < 256; ++b)
+    lut[b] = e4m3 ? static_cast<float>(c10::Float8_e4m3fn(b, c10::Float8_e4m3fn::from_bits()))
+                  : static_cast<float>(c10::Float8_e5m2(b, c10::Float8_e5m2::from_bits()));
+  const float* sf = layout == 1 ? sc.data_ptr<float>() : nullptr;
+  const uint8_t* sb = layout == 2 ? sc.data_ptr<uint8_t>() : nullptr;
+  const float s0 = layout == 0 ? sc.to(at::kFloat).data_ptr<float>()[0] : 0.f;
   Tensor out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out_dtype, "unpermute_fp8", [&] {
-    out = merge<scalar_t>(rid, h, w, q.options().dtype(out_dtype), [&](int32_t d, int64_t j) {
-      TORCH_CHECK(d >= 0 && d < nrows, "qmoe::unpermute_fp8: row_id_map row out of range");
-      return decode(qp[d * h + j]) * scale_at(d, j);
+    out = merge<scalar_t>(rid, h, nrows, w, q.options().dtype(out_dtype), [&](int32_t d, float* v) {
+      const uint8_t* r = qp + d * h;
+      for (int64_t lo = 0; lo < h; lo += (layout == 0 ? h : block_size)) {
+        const int64_t hi = layout == 0 ? h : std::min(h, lo + block_size);
+        const float s = layout == 0 ? s0
+                        : layout == 1 ? sf[d * nb + lo / block_size]
+                                      : e8m0_value(sb[d * nb + lo / block_size]);
+        for (int64_t j = lo; j < hi; ++j) v[j] = lut[r[j]] * s;
+      }
     });
   });
   return out;

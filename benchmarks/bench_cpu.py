@@ -1,0 +1,121 @@
+"""CPU paths side by side: C++ kernels (qmoe._C), the vectorized torch path, plain PyTorch.
+
+    python benchmarks/bench_cpu.py [--out results.json] [--iters 5]
+
+Configs (T, H, E, K), bf16: dsv3 (4096, 7168, 256, 8) and mixtral (8192, 4096, 8, 2).
+Bytes: each input row read once and each output row written once. The ceiling is a
+single-threaded memcpy (numpy copyto of 512 MiB, bytes read + written) measured in the
+same run. Medians over --iters runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import qmoe  # noqa: E402
+from qmoe._backends import cpp_loaded  # noqa: E402
+from qmoe.ops import backend as B  # noqa: E402
+from qmoe.ops.row_id_map import _mask_rows  # noqa: E402
+
+CONFIGS = {"dsv3": (4096, 7168, 256, 8), "mixtral": (8192, 4096, 8, 2)}
+
+
+def median_ms(fn, iters):
+    fn()
+    ts = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        ts.append((time.perf_counter() - t0) * 1e3)
+    return sorted(ts)[len(ts) // 2]
+
+
+def memcpy_gbs() -> float:
+    src = np.random.rand(1 << 26)  # 512 MiB of float64
+    dst = np.empty_like(src)
+    ms = median_ms(lambda: np.copyto(dst, src), 5)
+    return 2 * src.nbytes / (ms * 1e-3) / 1e9
+
+
+def run_config(name: str, bw: float, iters: int) -> list[dict]:
+    t, h, e, k = CONFIGS[name]
+    rows = []
+    n = t * k
+    x = torch.randn(t, h).to(torch.bfloat16)
+    ids = torch.rand(t, e).argsort(1)[:, :k]
+    mask = torch.zeros(t, e, dtype=torch.bool).scatter_(1, ids, True)
+    probs = torch.rand(t, e) * mask
+    y = torch.randn(n, h).to(torch.bfloat16)
+    rid = torch.ops.qmoe.make_row_id_map(mask, n, False, 1)
+    order = torch.argsort(ids.reshape(-1), stable=True)
+    w_flat = probs.gather(1, ids).reshape(-1)
+    move = (t + n) * h * 2
+
+    def torch_path_permute():
+        r = _mask_rows(mask, n, 1)
+        return B.permute_rows(x, r, n, use_triton=False)
+
+    def plain_unpermute():
+        acc = torch.zeros(t, h)
+        acc.index_add_(0, order // k, y.float() * w_flat[order, None])
+        return acc.to(torch.bfloat16)
+
+    cases = {
+        "permute (map + rows)": {
+            "c++": lambda: qmoe.moe_permute(x, mask, n),
+            "torch path": torch_path_permute,
+            "plain pytorch": lambda: x.index_select(0, torch.argsort(
+                ids.reshape(-1), stable=True) // k),
+        },
+        "unpermute(merging_probs)": {
+            "c++": lambda: qmoe.moe_unpermute(y, rid, probs),
+            "torch path": lambda: B.unpermute_rows(y, rid, probs, use_triton=False),
+            "plain pytorch": plain_unpermute,
+        },
+    }
+    for op, impls in cases.items():
+        res = {k_: median_ms(f, iters) for k_, f in impls.items()}
+        gbs = move / (res["c++"] * 1e-3) / 1e9
+        row = {"config": name, "T": t, "H": h, "E": e, "K": k, "op": op,
+               **{f"{k_}_ms": round(v, 2) for k_, v in res.items()},
+               "c++_GB/s": round(gbs, 2), "pct_memcpy": round(100 * gbs / bw, 1),
+               "speedup_vs_torch_path": round(res["torch path"] / res["c++"], 2)}
+        rows.append(row)
+        print(f"{name:>8} {op:>26}: c++ {res['c++']:8.2f} ms ({100 * gbs / bw:5.1f}% of "
+              f"memcpy), torch path {res['torch path']:8.2f} ms, plain "
+              f"{res['plain pytorch']:8.2f} ms", file=sys.stderr)
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=None)
+    p.add_argument("--iters", type=int, default=5)
+    a = p.parse_args()
+    if not cpp_loaded():
+        print("bench_cpu: qmoe._C is not built (QMOE_SKIP_CPP_BUILD=1?); nothing to compare")
+        return
+    bw = memcpy_gbs()
+    rows = []
+    for name in CONFIGS:
+        rows += run_config(name, bw, a.iters)
+    payload = {"bench": "cpu", "torch": torch.__version__, "threads": torch.get_num_threads(),
+               "memcpy_1thread_GB/s": round(bw, 2), "results": rows}
+    text = json.dumps(payload, indent=2)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
