@@ -14,12 +14,13 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import median_ms  # noqa: E402
 
 import qmoe  # noqa: E402
 from qmoe._backends import cpp_loaded  # noqa: E402
@@ -29,20 +30,10 @@ from qmoe.ops.row_id_map import _mask_rows  # noqa: E402
 CONFIGS = {"dsv3": (4096, 7168, 256, 8), "mixtral": (8192, 4096, 8, 2)}
 
 
-def median_ms(fn, iters):
-    fn()
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        ts.append((time.perf_counter() - t0) * 1e3)
-    return sorted(ts)[len(ts) // 2]
-
-
 def memcpy_gbs() -> float:
     src = np.random.rand(1 << 26)  # 512 MiB of float64
     dst = np.empty_like(src)
-    ms = median_ms(lambda: np.copyto(dst, src), 5)
+    ms = median_ms(lambda: np.copyto(dst, src), warmup=1, iters=5)
     return 2 * src.nbytes / (ms * 1e-3) / 1e9
 
 
@@ -83,7 +74,7 @@ def run_config(name: str, bw: float, iters: int) -> list[dict]:
         },
     }
     for op, impls in cases.items():
-        res = {k_: median_ms(f, iters) for k_, f in impls.items()}
+        res = {k_: median_ms(f, warmup=1, iters=iters) for k_, f in impls.items()}
         gbs = move / (res["c++"] * 1e-3) / 1e9
         row = {"config": name, "T": t, "H": h, "E": e, "K": k, "op": op,
                **{f"{k_}_ms": round(v, 2) for k_, v in res.items()},

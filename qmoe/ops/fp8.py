@@ -37,20 +37,24 @@ def _bits(q: QuantizedTensor) -> torch.Tensor:
     return q.qdata.view(torch.uint8)
 
 
+def _move_rows(q: QuantizedTensor, run):
+    """``run(rows, with_probs) -> (moved rows, permuted probs)`` on the fp8 bits, then on
+    the block-scale rows (without probs); rewrap as ``q``'s type."""
+    out, pp = run(_bits(q), True)
+    scale = q.raw_scale if q.block_size is None else run(q.raw_scale, False)[0]
+    return q._rewrap(out.view(q.fp8_dtype), scale), pp
+
+
 @register_passthrough(ops.permute.default)
 def _permute_q(func, args, kwargs):
     q, rid, probs, n = args
-    out, pp = func(_bits(q), rid, probs, n)
-    scale = q.raw_scale if q.block_size is None else func(q.raw_scale, rid, None, n)[0]
-    return q._rewrap(out.view(q.fp8_dtype), scale), pp
+    return _move_rows(q, lambda t, with_probs: func(t, rid, probs if with_probs else None, n))
 
 
 @register_passthrough(ops.sort_chunks.default)
 def _sort_chunks_q(func, args, kwargs):
     q, sizes, index, probs = args
-    out, pp = func(_bits(q), sizes, index, probs)
-    scale = q.raw_scale if q.block_size is None else func(q.raw_scale, sizes, index, None)[0]
-    return q._rewrap(out.view(q.fp8_dtype), scale), pp
+    return _move_rows(q, lambda t, with_probs: func(t, sizes, index, probs if with_probs else None))
 
 
 @define(
