@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -237,6 +238,19 @@ std::tuple<Tensor, Tensor> permute(const Tensor& inp, const Tensor& rid,
 }
 
 // ------------------------------------------------------------------- unpermute
+// Row -> fp32, written as plain integer/float loops so the compiler vectorizes them
+// (bf16 is the top half of an fp32; the conversions are exact).
+template <typename scalar_t>
+void to_float_row(const scalar_t* r, float* v, int64_t h) {
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    const uint16_t* b = reinterpret_cast<const uint16_t*>(r);
+    uint32_t* o = reinterpret_cast<uint32_t*>(v);
+    for (int64_t j = 0; j < h; ++j) o[j] = static_cast<uint32_t>(b[j]) << 16;
+  } else {
+    for (int64_t j = 0; j < h; ++j) v[j] = static_cast<float>(r[j]);
+  }
+}
+
 // acc[t] += float(row) (* weight), rows in map order. `row_to_float(d, buf)` writes row d
 // as fp32 into buf (H floats); the sums are separate multiply and add, as the torch path.
 template <typename out_t, typename RowToFloat>
@@ -293,8 +307,7 @@ Tensor unpermute(const Tensor& inp, const Tensor& rid, const c10::optional<Tenso
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "unpermute", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     out = merge<scalar_t>(rid, h, nrows, w, x.options(), [&](int32_t d, float* v) {
-      const scalar_t* r = xp + d * h;
-      for (int64_t j = 0; j < h; ++j) v[j] = static_cast<float>(r[j]);
+      to_float_row(xp + d * h, v, h);
     });
   });
   return out;
