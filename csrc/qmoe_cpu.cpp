@@ -238,14 +238,33 @@ std::tuple<Tensor, Tensor> permute(const Tensor& inp, const Tensor& rid,
 }
 
 // ------------------------------------------------------------------- unpermute
+// The hot loops, compiled for AVX2 and for the baseline ISA and picked at run time
+// (target_clones), so the build stays portable. Separate multiply and add (no FMA:
+// -ffp-contract=off) keep the rounding of the torch path.
+__attribute__((target_clones("avx2", "default"))) void accumulate_scaled(
+    float* acc, const float* v, float w, int64_t h) {
+  for (int64_t j = 0; j < h; ++j) {
+    const float p = v[j] * w;
+    acc[j] += p;
+  }
+}
+
+__attribute__((target_clones("avx2", "default"))) void accumulate(float* acc, const float* v,
+                                                                  int64_t h) {
+  for (int64_t j = 0; j < h; ++j) acc[j] += v[j];
+}
+
+__attribute__((target_clones("avx2", "default"))) void widen_bf16(const uint16_t* b, uint32_t* o,
+                                                                  int64_t h) {
+  for (int64_t j = 0; j < h; ++j) o[j] = static_cast<uint32_t>(b[j]) << 16;
+}
+
 // Row -> fp32, written as plain integer/float loops so the compiler vectorizes them
 // (bf16 is the top half of an fp32; the conversions are exact).
 template <typename scalar_t>
 void to_float_row(const scalar_t* r, float* v, int64_t h) {
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-    const uint16_t* b = reinterpret_cast<const uint16_t*>(r);
-    uint32_t* o = reinterpret_cast<uint32_t*>(v);
-    for (int64_t j = 0; j < h; ++j) o[j] = static_cast<uint32_t>(b[j]) << 16;
+    widen_bf16(reinterpret_cast<const uint16_t*>(r), reinterpret_cast<uint32_t*>(v), h);
   } else {
     for (int64_t j = 0; j < h; ++j) v[j] = static_cast<float>(r[j]);
   }
@@ -273,13 +292,9 @@ Tensor merge(const Tensor& rid, int64_t h, int64_t nrows, const c10::optional<Te
                     " out of range for an input of ", nrows, " rows");
         row_to_float(dst[s], v.data());
         if (w.has_value()) {
-          const float wv = weight_at(*w, i, col[s]);
-          for (int64_t j = 0; j < h; ++j) {
-            const float p = v[j] * wv;
-            acc[j] += p;
-          }
+          accumulate_scaled(acc.data(), v.data(), weight_at(*w, i, col[s]), h);
         } else {
-          for (int64_t j = 0; j < h; ++j) acc[j] += v[j];
+          accumulate(acc.data(), v.data(), h);
         }
       }
       out_t* oi = o + i * h;
