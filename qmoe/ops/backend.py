@@ -13,6 +13,7 @@ import torch
 import triton
 
 from qmoe.ops.row_id_map import num_slots
+from qmoe.tensors.base import e8m0_to_fp32, expand_block_scales
 
 
 def _block_h(h: int) -> int:
@@ -173,14 +174,8 @@ def dequantize_rows(qbits, scale, layout: int, block_size: int, fp8_dtype) -> to
     v = qbits.view(fp8_dtype).float()
     if layout == FP8_PER_TENSOR:
         return v * scale.float()
-    if layout == FP8_BLOCK_E8M0:
-        b = scale.to(torch.int32)
-        s = torch.where(b == 0, 2.0**-127, (b << 23).view(torch.float32))
-        s = torch.where(b == 255, float("nan"), s)
-    else:
-        s = scale.float()
-    cols = torch.arange(qbits.shape[-1], device=qbits.device) // block_size
-    return v * s[..., cols]
+    s = e8m0_to_fp32(scale) if layout == FP8_BLOCK_E8M0 else scale.float()
+    return v * expand_block_scales(s, qbits.shape[-1], block_size)
 
 
 def unpermute_fp8_rows(

@@ -176,11 +176,11 @@ def moe_permute_with_probs(
     route fills). Differentiable in ``inp`` and ``probs``. Host sync as in ``moe_permute``.
     """
     fn = "moe_permute_with_probs"
+    if probs is None:
+        raise TypeError(f"{fn}: probs is required; use moe_permute without probs")
     rid, n = _prepare(fn, inp, routing_map, map_type, num_out_tokens, num_experts)
     C.check_probs(fn, "probs", probs, inp.shape[0], routing_map.shape[1], inp,
                   "E" if map_type == "mask" else "K")
-    if probs is None:
-        raise TypeError(f"{fn}: probs is required; use moe_permute without probs")
     out, pp = torch.ops.qmoe.permute(inp, rid, probs, n)
     return out, pp, rid
 

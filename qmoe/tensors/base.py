@@ -125,6 +125,22 @@ def passthrough_ops() -> tuple[Any, ...]:
     return tuple(sorted(_PASSTHROUGH, key=str))
 
 
+def e8m0_to_fp32(bits: torch.Tensor) -> torch.Tensor:
+    """e8m0 scale bytes (``uint8``) as fp32: ``2 ** (b - 127)``; 0 is the subnormal
+    ``2**-127``, 255 is NaN."""
+    b = bits.to(torch.int32)
+    s = torch.where(b == 0, 2.0**-127, (b << 23).view(torch.float32))
+    return torch.where(b == 255, float("nan"), s)
+
+
+def expand_block_scales(scale: torch.Tensor, h: int, block_size: int) -> torch.Tensor:
+    """``[..., ceil(H / bs)]`` block scales broadcast to ``[..., H]``. A gather by block
+    index rather than ``repeat_interleave(...)[..., :H]``: Inductor's CPU backend (torch
+    2.13) miscomputes the partial last block of the latter."""
+    cols = torch.arange(h, device=scale.device) // block_size
+    return scale[..., cols]
+
+
 def _dequantize_arg(x: Any) -> Any:
     return x._dequantize_raw() if isinstance(x, QuantizedTensor) else x
 
@@ -265,10 +281,7 @@ class QuantizedTensor(torch.Tensor):
         s = self.scale_fp32()
         if self.block_size is None:
             return s
-        # A gather by block index rather than repeat_interleave(...)[..., :H]: Inductor's
-        # CPU backend (torch 2.13) miscomputes the partial last block of the latter.
-        cols = torch.arange(self.qdata.shape[-1], device=s.device) // self.block_size
-        return s[..., cols]
+        return expand_block_scales(s, self.qdata.shape[-1], self.block_size)
 
     def _dequantize_raw(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         out = self.qdata.float() * self._scale_full()

@@ -11,7 +11,7 @@ from typing import ClassVar
 
 import torch
 
-from qmoe.tensors.base import QuantizedTensor
+from qmoe.tensors.base import QuantizedTensor, e8m0_to_fp32
 
 __all__ = ["Float8Tensor", "Float8BlockwiseTensor", "MXFP8Tensor"]
 
@@ -85,11 +85,7 @@ class MXFP8Tensor(QuantizedTensor):
         return self.scale_bits.view(torch.float8_e8m0fnu)
 
     def scale_fp32(self) -> torch.Tensor:
-        # 2 ** (b - 127) from the bits; byte 0 is the subnormal 2**-127, 255 is NaN.
-        b = self.scale_bits.to(torch.int32)
-        s = (b << 23).view(torch.float32)
-        s = torch.where(b == 0, 2.0**-127, s)
-        return torch.where(b == 255, float("nan"), s)
+        return e8m0_to_fp32(self.scale_bits)
 
 
 for _cls in (Float8Tensor, Float8BlockwiseTensor, MXFP8Tensor):
