@@ -76,11 +76,19 @@ def _index_rows(routing_map: torch.Tensor, num_out_tokens: int) -> torch.Tensor:
     return _compact(dst, col)
 
 
-def _mask_rows_triton(routing_map: torch.Tensor, num_out_tokens: int, align_size: int):
-    """The same map from two Triton passes over the mask (CUDA, or the interpreter)."""
+def _mask_rows_triton(
+    routing_map: torch.Tensor, num_out_tokens: int, align_size: int, tile: int = 4096
+):
+    """The same map from three Triton launches over the mask (CUDA, or the interpreter).
+    ``tile`` bounds the entries one program holds (tests shrink it to reach many blocks
+    and several scan steps with small inputs)."""
     import triton
 
-    from qmoe.ops._kernels.row_id_map import mask_block_counts_kernel, mask_row_id_map_kernel
+    from qmoe.ops._kernels.row_id_map import (
+        block_scan_kernel,
+        mask_block_counts_kernel,
+        mask_row_id_map_kernel,
+    )
 
     t, e = routing_map.shape
     rid = torch.empty((t, 2 * e + 1), dtype=torch.int32, device=routing_map.device)
@@ -90,19 +98,17 @@ def _mask_rows_triton(routing_map: torch.Tensor, num_out_tokens: int, align_size
     if m.stride(1) != 1:
         m = m.contiguous()
     be = triton.next_power_of_2(e)
-    bt = max(1, min(1024, 8192 // be))
+    bt = max(1, min(64, tile // be))  # a [BLOCK_T, BLOCK_E] tile of <= ``tile`` entries
     nblk = triton.cdiv(t, bt)
     counts = torch.empty((nblk, e), dtype=torch.int32, device=m.device)
+    total = torch.empty((e,), dtype=torch.int32, device=m.device)
     mask_block_counts_kernel[(nblk,)](m, counts, t, e, m.stride(0), BLOCK_T=bt, BLOCK_E=be)
-    total = counts.sum(0, dtype=torch.int32)
-    if align_size > 1:
-        total = (total + (align_size - 1)) // align_size * align_size
-    start = torch.cumsum(total, 0, dtype=torch.int32) - total
-    ct = counts.t()
-    before = (torch.cumsum(ct, 1, dtype=torch.int32) - ct).t()  # earlier blocks
-    base = (start[None, :] + before).contiguous()
+    cols = min(be, max(1, triton.next_power_of_2(triton.cdiv(e, 128))))  # ~128 programs
+    chunk = max(1, min(triton.next_power_of_2(nblk), tile // cols))
+    block_scan_kernel[(triton.cdiv(e, cols),)](counts, total, nblk, e, CHUNK_B=chunk, COLS=cols)
     mask_row_id_map_kernel[(nblk,)](
-        m, base, rid, t, e, num_out_tokens, m.stride(0), BLOCK_T=bt, BLOCK_E=be
+        m, counts, total, rid, t, e, num_out_tokens, max(align_size, 1), m.stride(0),
+        BLOCK_T=bt, BLOCK_E=be,
     )
     return rid
 

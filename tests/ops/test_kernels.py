@@ -81,6 +81,7 @@ def test_gather_rows_kernel(kdevice, r, h):
 @pytest.mark.parametrize("t,e,k,kind", [
     (1, 4, 2, "random"), (63, 7, 3, "sentinels"), (100, 256, 8, "no_route_tokens"),
     (50, 1024, 4, "random"), (33, 8, 8, "one_expert"), (0, 4, 2, "random"),
+    (1025, 17, 3, "empty_experts"),
 ])
 @pytest.mark.parametrize("align", [1, 16])
 def test_mask_map_kernel_matches_torch(kdevice, t, e, k, kind, align):
@@ -90,6 +91,17 @@ def test_mask_map_kernel_matches_torch(kdevice, t, e, k, kind, align):
     for n in (int(mask.sum()), int(mask.sum()) // 2, 1000):
         for m in (mask, mask.to(torch.int32)):
             assert torch.equal(_mask_rows_triton(m, n, align), _mask_rows(m, n, align))
+
+
+def test_mask_map_kernel_many_blocks_and_scan_steps(kdevice):
+    """A small tile: one token per block, and the block scan walks five chunks."""
+    from qmoe.ops.row_id_map import _mask_rows, _mask_rows_triton
+
+    ids, mask = routing(300, 40, 3, "sentinels", kdevice)
+    n = int(mask.sum()) - 7
+    for align in (1, 8):
+        got = _mask_rows_triton(mask, n, align, tile=64)
+        assert torch.equal(got, _mask_rows(mask, n, align))
 
 
 @pytest.mark.parametrize("recipe", [

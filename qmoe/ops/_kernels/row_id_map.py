@@ -1,13 +1,16 @@
-"""Triton code building the mask-map row_id_map in two linear passes over the mask.
+"""Triton code building the mask-map row_id_map in three launches (no torch ops between).
 
-Glossary: T tokens, E experts, N output rows, BLOCK_T tokens per program,
-BLOCK_E = next_pow2(E). Launcher: ``qmoe/ops/row_id_map.py``.
+Glossary: T tokens, E experts, N output rows, NBLK blocks of BLOCK_T tokens,
+BLOCK_E = next_pow2(E), A the padding alignment. Launcher: ``qmoe/ops/row_id_map.py``.
 
-Pass 1 counts each expert's tokens per block of BLOCK_T tokens. Between the passes,
-torch turns the ``[NBLK, E]`` counts into each block's first row per expert (expert
-starts, padded if asked, plus the counts of earlier blocks). Pass 2 ranks tokens inside
-the block (a cumsum down the tokens), drops rows ``>= N``, and packs each token's kept
-routes to the front of its map row (a cumsum across the experts).
+1. ``mask_block_counts_kernel``: each block's token count per expert, ``[NBLK, E]``.
+2. ``block_scan_kernel``: per expert, the exclusive prefix of those counts over the
+   blocks (in place: tokens of earlier blocks on that expert) and the expert's total.
+   Programs own a few experts each and walk the blocks, so the pass is parallel.
+3. ``mask_row_id_map_kernel``: every program turns the totals into expert starts (padded
+   to A, exclusive cumsum over experts: a few hundred adds, cheaper than a launch), ranks
+   its tokens inside the block (a cumsum down the tokens), drops rows ``>= N``, and packs
+   each token's kept routes to the front of its map row (a cumsum across the experts).
 """
 
 import triton
@@ -30,17 +33,41 @@ def mask_block_counts_kernel(
     inb = (rows < T)[:, None] & (cols < E)[None, :]
     m = tl.load(mask_ptr + rows.to(tl.int64)[:, None] * stride_t + cols[None, :], mask=inb, other=0)
     c = tl.sum((m != 0).to(tl.int32), axis=0)
-    tl.store(counts_ptr + blk * E + cols, c, mask=cols < E)
+    tl.store(counts_ptr + blk.to(tl.int64) * E + cols, c, mask=cols < E)
+
+
+@triton.jit
+def block_scan_kernel(
+    counts_ptr,  # (NBLK, E) int32 in: block counts; out: counts of earlier blocks
+    total_ptr,  # (E,) int32 out: tokens per expert
+    NBLK,
+    E,
+    CHUNK_B: tl.constexpr,  # blocks per step
+    COLS: tl.constexpr,  # experts per program
+):
+    cols = tl.program_id(0) * COLS + tl.arange(0, COLS)
+    cmask = cols < E
+    run = tl.zeros((COLS,), dtype=tl.int32)
+    for b0 in range(0, NBLK, CHUNK_B):
+        b = b0 + tl.arange(0, CHUNK_B)
+        m = (b < NBLK)[:, None] & cmask[None, :]
+        ptr = counts_ptr + b.to(tl.int64)[:, None] * E + cols[None, :]
+        c = tl.load(ptr, mask=m, other=0)
+        tl.store(ptr, tl.cumsum(c, axis=0) - c + run[None, :], mask=m)
+        run += tl.sum(c, axis=0)
+    tl.store(total_ptr + cols, run, mask=cmask)
 
 
 @triton.jit
 def mask_row_id_map_kernel(
     mask_ptr,  # (T, E) uint8 / int32 / int64, row stride stride_t
-    base_ptr,  # (NBLK, E) int32: first output row of this block's tokens, per expert
+    before_ptr,  # (NBLK, E) int32: tokens of earlier blocks, per expert
+    total_ptr,  # (E,) int32: tokens per expert
     map_ptr,  # (T, 2E+1) int32 out
     T,
     E,
     N,
+    A,
     stride_t,
     BLOCK_T: tl.constexpr,
     BLOCK_E: tl.constexpr,
@@ -48,13 +75,17 @@ def mask_row_id_map_kernel(
     blk = tl.program_id(0)
     rows = blk * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
+    cmask = cols < E
     rmask = rows < T
-    inb = rmask[:, None] & (cols < E)[None, :]
+    inb = rmask[:, None] & cmask[None, :]
+    total = tl.load(total_ptr + cols, mask=cmask, other=0)
+    padded = (total + (A - 1)) // A * A
+    start = tl.cumsum(padded, axis=0) - padded
+    before = tl.load(before_ptr + blk.to(tl.int64) * E + cols, mask=cmask, other=0)
     m = tl.load(mask_ptr + rows.to(tl.int64)[:, None] * stride_t + cols[None, :], mask=inb, other=0)
     mi = ((m != 0) & inb).to(tl.int32)
     rank = tl.cumsum(mi, axis=0) - mi  # earlier tokens of this block on the same expert
-    base = tl.load(base_ptr + blk * E + cols, mask=cols < E, other=0)
-    dst = base[None, :] + rank
+    dst = (start + before)[None, :] + rank
     keep = (mi != 0) & (dst < N)
     ki = keep.to(tl.int32)
     slot = tl.cumsum(ki, axis=1) - ki  # position among the token's kept routes
