@@ -35,11 +35,15 @@ def permute_rows(
     n: int,
     weights: torch.Tensor | None = None,
     *,
+    probs: torch.Tensor | None = None,
+    probs_out: torch.Tensor | None = None,
     use_triton: bool | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``out [N, H]``: each token's row (times ``weights[t, col]`` if given) at its rows;
-    rows no route writes are zero. ``x`` ``[T, H]``, ``weights`` ``[T, P]`` float."""
+    rows no route writes are zero. ``x`` ``[T, H]``, ``weights`` ``[T, P]`` float.
+    With ``probs`` ``[T, P]``, also fills ``probs_out`` ``[N]`` (probs' dtype) with each
+    route's ``probs[t, col]`` at its row, zero elsewhere, in the same pass."""
     t, h = x.shape
     use_triton = x.is_cuda if use_triton is None else use_triton
     if not use_triton:
@@ -49,25 +53,31 @@ def permute_rows(
         if weights is not None:
             val = (val.float() * weights[tok, col].float()[:, None]).to(x.dtype)
         out[row] = val
+        if probs is not None:
+            probs_out.zero_()[row] = probs[tok, col]
         return out
     from qmoe.ops._kernels.permute import permute_scatter_kernel, zero_rows_kernel
 
     if out is None:  # (tests pass a poisoned ``out`` to see every row gets written)
         out = torch.empty(n, h, dtype=x.dtype, device=x.device)
-    if n == 0 or h == 0:
+    if n == 0:
         return out
     if x.stride(1) != 1:
         x = x.contiguous()
     bh = _block_h(h)
     written = torch.zeros(n, dtype=torch.int8, device=x.device)
+    has_p = probs is not None
+    p = probs if has_p else written
+    pp = probs_out if has_p else written
     if t > 0:
         w = weights if weights is not None else x
-        permute_scatter_kernel[(t, triton.cdiv(h, bh))](
-            x, out, rid, w, written, h, num_slots(rid), x.stride(0), w.stride(0),
-            HAS_W=weights is not None, KB=4, BLOCK_H=bh, num_warps=8,
+        permute_scatter_kernel[(t, triton.cdiv(max(h, 1), bh))](
+            x, out, rid, w, written, p, pp, h, num_slots(rid), x.stride(0), w.stride(0),
+            p.stride(0) if has_p else 0,
+            HAS_W=weights is not None, HAS_P=has_p, KB=4, BLOCK_H=bh, num_warps=8,
         )
     zero_rows_kernel[(triton.cdiv(n, 64),)](
-        out, written, n, h, BLOCK_R=64, BLOCK_H=min(bh, 64), num_warps=4
+        out, written, pp, n, h, HAS_P=has_p, BLOCK_R=64, BLOCK_H=min(bh, 64), num_warps=4
     )
     return out
 

@@ -15,16 +15,6 @@ from qmoe.ops.row_id_map import num_slots
 __all__ = ["moe_permute", "moe_permute_with_probs", "moe_permute_and_pad_with_probs"]
 
 
-def _permute_probs(probs: torch.Tensor, rid: torch.Tensor, n: int) -> torch.Tensor:
-    """``[N]``: ``probs[t, col]`` at each kept route's row, zero elsewhere. No host sync."""
-    s = num_slots(rid)
-    dst = rid[:, :s].long()
-    vals = probs.gather(1, rid[:, s : 2 * s].long().clamp(min=0))
-    out = torch.zeros(n + 1, dtype=probs.dtype, device=probs.device)
-    out.index_put_((torch.where(dst >= 0, dst, n).reshape(-1),), vals.reshape(-1))
-    return out[:n]
-
-
 @define(
     "permute(Tensor inp, Tensor row_id_map, Tensor? probs, SymInt num_out_tokens) "
     "-> (Tensor, Tensor)"
@@ -32,10 +22,11 @@ def _permute_probs(probs: torch.Tensor, rid: torch.Tensor, n: int) -> torch.Tens
 def _permute(
     inp: torch.Tensor, row_id_map: torch.Tensor, probs: torch.Tensor | None, num_out_tokens: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    out = permute_rows(inp, row_id_map, num_out_tokens)
     if probs is None:
-        return out, inp.new_empty(0)
-    return out, _permute_probs(probs, row_id_map, num_out_tokens)
+        return permute_rows(inp, row_id_map, num_out_tokens), inp.new_empty(0)
+    pp = probs.new_empty((num_out_tokens,))
+    out = permute_rows(inp, row_id_map, num_out_tokens, probs=probs, probs_out=pp)
+    return out, pp
 
 
 @_permute.register_fake

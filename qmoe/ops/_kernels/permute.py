@@ -22,15 +22,20 @@ def permute_scatter_kernel(
     map_ptr,  # (T, 2S+1) int32
     w_ptr,  # (T, P) float weights, row stride stride_w (read only if HAS_W)
     written_ptr,  # (N,) int8, zero-initialized: set to 1 for every row written
+    p_ptr,  # (T, P) float probs, row stride stride_p (read only if HAS_P)
+    pp_ptr,  # (N,) probs dtype out: the permuted probs (written only if HAS_P)
     H,
     S,
     stride_in,
     stride_w,
+    stride_p,
     HAS_W: tl.constexpr,
+    HAS_P: tl.constexpr,
     KB: tl.constexpr,  # routes written per step (their rows are loaded together)
     BLOCK_H: tl.constexpr,
 ):
-    """Read token t's row once; write it (times its weight, if HAS_W) to each of its rows."""
+    """Read token t's row once; write it (times its weight, if HAS_W) to each of its rows,
+    and (if HAS_P) its probs to the same rows of ``pp``."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = cols < H
@@ -50,14 +55,20 @@ def permute_scatter_kernel(
         tl.store(out_ptr + d[:, None] * H + cols[None, :], y, mask=smask[:, None] & hmask[None, :])
         if tl.program_id(1) == 0:
             tl.store(written_ptr + d, tl.full((KB,), 1, dtype=tl.int8), mask=smask)
+            if HAS_P:
+                pc = tl.load(mrow + S + sl, mask=smask, other=0)
+                pv = tl.load(p_ptr + t * stride_p + pc, mask=smask, other=0.0)
+                tl.store(pp_ptr + d, pv, mask=smask)
 
 
 @triton.jit
 def zero_rows_kernel(
     out_ptr,  # (N, H), contiguous
     written_ptr,  # (N,) int8: 1 where some token wrote the row
+    pp_ptr,  # (N,) permuted probs (zeroed alike only if HAS_P)
     N,
     H,
+    HAS_P: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
@@ -68,6 +79,8 @@ def zero_rows_kernel(
     w = tl.load(written_ptr + rows, mask=rmask, other=1)
     todo = rmask & (w == 0)
     if tl.max(todo.to(tl.int32), axis=0) > 0:
+        if HAS_P:
+            tl.store(pp_ptr + rows, tl.zeros((BLOCK_R,), dtype=pp_ptr.dtype.element_ty), mask=todo)
         zero = tl.zeros((BLOCK_R, BLOCK_H), dtype=out_ptr.dtype.element_ty)
         for h0 in range(0, H, BLOCK_H):
             cols = h0 + tl.arange(0, BLOCK_H)
