@@ -1,4 +1,4 @@
-"""Does AOTInductor (CPU) load a package holding a Python-defined custom op? (torch-version probe)"""
+"""Does AOTInductor (CPU) load a package holding a Python-defined custom op? (probe)"""
 import sys
 import tempfile
 

@@ -14,11 +14,12 @@ unset TRITON_INTERPRET
 } 2>&1 | tee "$OUT/env.txt"
 K=${1:-}
 export QMOE_GPU_CHECK=1
-python3 -m pytest tests -q -p no:cacheprovider ${K:+-k "$K"} 2>&1 | tee "$OUT/tests.log" | tail -25
+python3 -m pytest tests -q -p no:cacheprovider -rfE --tb=short ${K:+-k "$K"} 2>&1 | tee "$OUT/tests.log" | grep -E "^(FAILED|ERROR)|passed|failed" | tail -40
 echo "pytest rc=${PIPESTATUS[0]}" | tee -a "$OUT/tests.log"
-# QMOE_BENCHES="permute quantize" picks benchmarks (default: every benchmarks/bench_*.py)
-for b in ${QMOE_BENCHES:+$(for n in $QMOE_BENCHES; do echo benchmarks/bench_$n.py; done)} \
-         ${QMOE_BENCHES:-benchmarks/bench_*.py}; do
+# QMOE_BENCHES="permute quantize sweep_permute" picks scripts (bench_<name>.py or <name>.py;
+# default: bench_permute and bench_quantize)
+for b in $(for n in ${QMOE_BENCHES:-permute quantize}; do
+             [ -f benchmarks/$n.py ] && echo benchmarks/$n.py || echo benchmarks/bench_$n.py; done); do
   [ -f "$b" ] || continue
   n=$(basename "$b" .py)
   python3 "$b" --out "$OUT/$n.json" > "$OUT/$n.log" 2>&1; grep ' ms ' "$OUT/$n.log" | tail -80

@@ -1,5 +1,8 @@
 """torch.export and AOTInductor (CPU) of a module that calls the qmoe ops."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -39,8 +42,20 @@ def test_export_and_aoti_roundtrip(tmp_path):
     want = m(*args)
     assert torch.equal(ep.module()(*args), want)
     path = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "b.pt2"))
-    loaded = torch._inductor.aoti_load_package(path)
-    assert torch.equal(loaded(*args), want)
+    torch.save((args, want), tmp_path / "io.pt")
+    # Loaded in a child process, so a crash in the loader fails this test, not the run.
+    r = subprocess.run([sys.executable, "-c", _LOAD, path, str(tmp_path / "io.pt")],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, f"rc={r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
+    assert r.stdout.strip().endswith("equal"), r.stdout
+
+
+_LOAD = """
+import sys, torch, qmoe
+args, want = torch.load(sys.argv[2])
+got = torch._inductor.aoti_load_package(sys.argv[1])(*args)
+print("equal" if torch.equal(got, want) else f"differs: {(got - want).abs().max()}")
+"""
 
 
 def test_export_of_quantized_inp_raises_clearly():

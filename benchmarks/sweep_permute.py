@@ -1,0 +1,97 @@
+"""Sweep the permute-scatter and unpermute-gather tilings on the GPU (CUDA-graph medians).
+
+    python benchmarks/sweep_permute.py [--out sweep.json] [--configs dsv3,qwen3]
+
+Bytes as in bench_permute.py (rows read once, written once, plus the row_id_map).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import triton
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_permute import CONFIGS  # noqa: E402
+from common import copy_bandwidth_gbs, env_info, graph_median_ms, write_json  # noqa: E402
+
+import qmoe  # noqa: E402
+from qmoe.ops._kernels.permute import (  # noqa: E402
+    permute_scatter_kernel,
+    unpermute_gather_kernel,
+)
+from qmoe.ops.row_id_map import num_slots  # noqa: E402
+
+
+def sweep_config(name: str, copy_bw: float) -> list[dict]:
+    rows = []
+    t, h, e, k = CONFIGS[name]
+    n = t * k
+    x = torch.randn(t, h, dtype=torch.bfloat16, device="cuda")
+    ids = torch.rand(t, e, device="cuda").argsort(dim=1)[:, :k]
+    mask = torch.zeros(t, e, dtype=torch.bool, device="cuda").scatter_(1, ids, True)
+    _, rid = qmoe.moe_permute(x, mask, n)
+    s = num_slots(rid)
+    out = torch.empty(n, h, dtype=x.dtype, device="cuda")
+    y = torch.randn(n, h, dtype=x.dtype, device="cuda")
+    back = torch.empty(t, h, dtype=x.dtype, device="cuda")
+    written = torch.zeros(n, dtype=torch.int8, device="cuda")
+    nbytes = (t + n) * h * 2 + rid.numel() * 4
+    ms = graph_median_ms(lambda: torch.ops.qmoe.make_row_id_map(mask, n, False, 1))
+    rows.append({"config": name, "kernel": "make_row_id_map(mask)", "ms": round(ms, 4)})
+    print(name, "make_row_id_map(mask)", f"{ms:.4f} ms", file=sys.stderr)
+    for bh in (512, 1024, 2048, 4096):
+        for nw in (4, 8, 16):
+            for kb in (1, 2, 4, 8):
+                if kb * bh > 16384:
+                    continue
+
+                def scatter(bh=bh, nw=nw, kb=kb):
+                    permute_scatter_kernel[(t, triton.cdiv(h, bh))](
+                        x, out, rid, x, written, x, written, h, s, x.stride(0), 0, 0,
+                        HAS_W=False, HAS_P=False, KB=kb, BLOCK_H=bh, num_warps=nw)
+
+                ms = graph_median_ms(scatter)
+                pct = 100 * nbytes / (ms * 1e-3) / 1e9 / copy_bw
+                rows.append({"config": name, "kernel": "permute_scatter", "BLOCK_H": bh,
+                             "num_warps": nw, "KB": kb, "ms": round(ms, 4),
+                             "pct_copy_bw": round(pct, 1)})
+                print(name, "scatter", bh, nw, kb, f"{ms:.4f} ms {pct:.1f}%", file=sys.stderr)
+            if bh <= 4096:
+                def gather(bh=bh, nw=nw):
+                    unpermute_gather_kernel[(t, triton.cdiv(h, bh))](
+                        y, back, rid, y, h, s, 0, HAS_W=False, BLOCK_H=bh, num_warps=nw)
+
+                ms = graph_median_ms(gather)
+                pct = 100 * nbytes / (ms * 1e-3) / 1e9 / copy_bw
+                rows.append({"config": name, "kernel": "unpermute_gather", "BLOCK_H": bh,
+                             "num_warps": nw, "ms": round(ms, 4),
+                             "pct_copy_bw": round(pct, 1)})
+                print(name, "gather", bh, nw, f"{ms:.4f} ms {pct:.1f}%", file=sys.stderr)
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=None)
+    p.add_argument("--configs", default="dsv3,qwen3,gptoss")
+    a = p.parse_args()
+    if not torch.cuda.is_available():
+        print("sweep_permute: needs CUDA, skipped")
+        return
+    copy_bw = copy_bandwidth_gbs()
+    rows = [r for name in a.configs.split(",") for r in sweep_config(name, copy_bw)]
+    best = {}
+    for r in rows:
+        key = f"{r['config']}-{r['kernel']}"
+        if key not in best or r["ms"] < best[key]["ms"]:
+            best[key] = r
+    write_json(a.out, {"env": env_info(), "copy_bw_gbs": copy_bw, "best": best, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
