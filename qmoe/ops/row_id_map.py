@@ -57,23 +57,21 @@ def _mask_rows(routing_map: torch.Tensor, num_out_tokens: int, align_size: int) 
 
 def _index_rows(routing_map: torch.Tensor, num_out_tokens: int) -> torch.Tensor:
     t, k = routing_map.shape
-    ids = routing_map.to(torch.int64)
-    valid = ids >= 0
-    # Stable sort by expert over (t, k)-ordered positions: expert-major, token-minor.
-    # Unrouted (-1) slots sort last, so a valid slot's rank is its output row.
-    key = torch.where(valid, ids, torch.iinfo(torch.int64).max).reshape(-1)
-    order = torch.sort(key, stable=True).indices
+    big = torch.iinfo(torch.int32).max
+    ids = routing_map.to(torch.int32)
+    # Each token's slots by expert (stable: equal ids keep slot order), unrouted (-1) last:
+    # the kept routes come out packed to the front and in row order, as the map wants.
+    key, slot = torch.sort(torch.where(ids >= 0, ids, big), dim=1, stable=True)
+    # One stable sort of the (t, slot)-ordered keys: expert-major, token-minor. The rank
+    # of a routed entry is its output row (unrouted entries sort after every routed one).
+    order = torch.sort(key.reshape(-1), stable=True).indices
     rank = torch.empty_like(order)
     rank[order] = torch.arange(order.numel(), device=order.device)
     rank = rank.view(t, k).to(torch.int32)
-    dst = torch.where(valid & (rank < num_out_tokens), rank, -1)
-    # Order each token's routes by output row (as the mask map has them), so merges sum
-    # in the same order whichever map describes the routing.
-    big = torch.iinfo(torch.int32).max
-    rows, slot = torch.sort(torch.where(dst >= 0, dst, big), dim=1)
-    dst = torch.where(rows == big, -1, rows)
-    col = torch.where(dst >= 0, slot.to(torch.int32), -1)
-    return _compact(dst, col)
+    keep = (key != big) & (rank < num_out_tokens)  # dropped routes are a suffix per token
+    dst = torch.where(keep, rank, -1)
+    col = torch.where(keep, slot.to(torch.int32), -1)
+    return torch.cat([dst, col, keep.sum(1, dtype=torch.int32)[:, None]], dim=1).contiguous()
 
 
 def _mask_rows_triton(
