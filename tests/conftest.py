@@ -8,6 +8,17 @@ import os
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
+
+# Property tests: a fixed example budget per test (CI time), fresh draws every run, and
+# the falsifying example (with its data seed) printed on failure. `--hypothesis-profile
+# qmoe-long` widens the search.
+settings.register_profile(
+    "qmoe-ci", max_examples=40, deadline=None, print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile("qmoe-long", parent=settings.get_profile("qmoe-ci"), max_examples=2000)
+settings.load_profile("qmoe-ci")
 
 
 @pytest.fixture(autouse=True)
