@@ -79,6 +79,14 @@ def check_probs(fn: str, name: str, probs, t: int, p: int, ref: torch.Tensor, co
     if tuple(probs.shape) != (t, p):
         raise ValueError(f"{fn}: {name} must be [T, {cols}] = [{t}, {p}], got {tuple(probs.shape)}")
     check_same_device(fn, "inp", ref, **{name: probs})
+    check_no_nan(fn, name, probs)
+
+
+def check_no_nan(fn: str, name: str, probs: torch.Tensor) -> None:
+    """NaN weights would spread silently through the merge: reject them (sync-free on
+    CUDA and under compile, where the failure surfaces at the next synchronization)."""
+    if probs.numel():
+        check_values(fn, (probs == probs).all(), f"{name} holds NaN; fix the router upstream")
 
 
 def check_num_out_tokens(fn: str, num_out_tokens) -> int | None:

@@ -212,7 +212,8 @@ def moe_permute_and_pad_with_probs(
     pads = target - counts
     pad_offsets = torch.cumsum(pads, 0) - pads
     if tokens_per_expert is not None:
-        C.check_tensor(fn, "tokens_per_expert", tokens_per_expert, ndim=1)
+        C.check_tensor(fn, "tokens_per_expert", tokens_per_expert, ndim=1, dtypes=C._INTS)
+        C.check_same_device(fn, "inp", inp, tokens_per_expert=tokens_per_expert)
         if tokens_per_expert.shape[0] != routing_map.shape[1]:
             raise ValueError(
                 f"{fn}: tokens_per_expert must be [E] = [{routing_map.shape[1]}], got "

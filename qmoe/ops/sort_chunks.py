@@ -95,16 +95,21 @@ def _check(fn, inp, split_sizes, sorted_index, probs):
         C.check_tensor(fn, "probs", probs, ndim=1, dtypes=C._FLOATS)
         if probs.shape[0] != inp.shape[0]:
             raise ValueError(
-                f"{fn}: probs must be [T] = [{inp.shape[0]}], got {tuple(probs.shape)}"
+                f"{fn}: probs has {probs.shape[0]} rows but inp has {inp.shape[0]}; both "
+                "must be [T]"
             )
         C.check_same_device(fn, "inp", inp, probs=probs)
+        C.check_no_nan(fn, "probs", probs)
     if split_sizes.numel():
         c = split_sizes.numel()
         C.check_values(fn, split_sizes.min() >= 0, "split_sizes must be >= 0")
         C.check_values(fn, split_sizes.sum() <= inp.shape[0],
-                       f"split_sizes must sum to at most T={inp.shape[0]}")
+                       "split_sizes must sum to at most T, the rows of inp")
         C.check_values(fn, (sorted_index.min() >= 0) & (sorted_index.max() < c),
                        f"sorted_index entries must be in [0, {c})")
+        ar = torch.arange(c, device=sorted_index.device)
+        C.check_values(fn, (torch.sort(sorted_index).values == ar).all(),
+                       f"sorted_index must be a permutation of 0..{c - 1} (each chunk once)")
 
 
 def moe_sort_chunks_by_index(

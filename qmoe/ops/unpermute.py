@@ -109,6 +109,9 @@ def moe_unpermute(
         raise ValueError(f"{fn}: row_id_map must be [T, 2*S + 1], got {tuple(row_id_map.shape)}")
     if map_type not in ("mask", "index"):
         raise ValueError(f"{fn}: map_type must be 'mask' or 'index', got {map_type!r}")
+    if merging_probs is not None:
+        C.check_not_quantized(fn, "merging_probs", merging_probs)
+        C.check_tensor(fn, "merging_probs", merging_probs, ndim=2, dtypes=C._FLOATS)
     C.check_same_device(fn, "inp", inp, row_id_map=row_id_map, merging_probs=merging_probs)
     t = row_id_map.shape[0]
     if restore_shape is not None and tuple(restore_shape) != (t, inp.shape[1]):
@@ -117,15 +120,21 @@ def moe_unpermute(
             f"inp's H={inp.shape[1]}; omit it (qmoe recovers T from row_id_map)"
         )
     if merging_probs is not None:
-        C.check_tensor(fn, "merging_probs", merging_probs, ndim=2, dtypes=C._FLOATS)
         if merging_probs.shape[0] != t or merging_probs.shape[1] < 1:
             raise ValueError(
-                f"{fn}: merging_probs must be [T, E] or [T, K] with T={t}, got "
-                f"{tuple(merging_probs.shape)}"
+                f"{fn}: merging_probs must be [T, E] or [T, K] with T={t} (the rows of "
+                f"row_id_map), got {tuple(merging_probs.shape)}"
             )
         if merging_probs.shape[1] != num_slots(row_id_map):
             raise ValueError(
                 f"{fn}: merging_probs has {merging_probs.shape[1]} columns but the map was "
                 f"built for {num_slots(row_id_map)} (E for a mask map, K for an index map)"
             )
+        C.check_no_nan(fn, "merging_probs", merging_probs)
+    if row_id_map.numel() and num_slots(row_id_map):
+        C.check_values(
+            fn, row_id_map[:, : num_slots(row_id_map)].max() < inp.shape[0],
+            "row_id_map points past the rows of inp; pass the permute's output (all N "
+            "rows) with the row_id_map built for it",
+        )
     return torch.ops.qmoe.unpermute(inp, row_id_map, merging_probs)
