@@ -133,12 +133,13 @@ def test_unpermute_fp8_kernel_dequantizes_in_place(kdevice, recipe, h):
         # The same merge of the dequantized rows on the CPU (in row order).
         want = B.unpermute_rows(q.dequantize(torch.float32).cpu(), rid.cpu(),
                                 None if weights is None else weights.cpu(), use_triton=False)
-        if weights is None or kdevice == "cpu":
+        if kdevice == "cpu":
             assert_same_bits(got.cpu(), want)
-        else:  # the GPU contracts x * w + acc to an FMA: bound the error against fp64
+        else:  # the GPU contracts x * s (* w) + acc to FMAs: bound the error against fp64
             deq = q.dequantize(torch.float64).cpu()
-            ref = B.unpermute_rows(deq, rid.cpu(), weights.double().cpu(), use_triton=False)
-            mag = B.unpermute_rows(deq.abs(), rid.cpu(), weights.double().cpu(), use_triton=False)
+            wd = None if weights is None else weights.double().cpu()
+            ref = B.unpermute_rows(deq, rid.cpu(), wd, use_triton=False)
+            mag = B.unpermute_rows(deq.abs(), rid.cpu(), wd, use_triton=False)
             err = (got.cpu().double() - ref).abs()
             # dequantize, weight and k adds, each within half an fp32 ulp of its result
             assert (err <= (k + 2) * 2.0**-24 * mag).all(), float((err / mag).nan_to_num().max())
