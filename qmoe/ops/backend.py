@@ -114,11 +114,22 @@ def unpermute_rows(
     x = x.contiguous()
     bh = _block_h(h)
     w = weights if weights is not None else x
+    ok = torch.ones(1, dtype=torch.int32, device=x.device)
     unpermute_gather_kernel[(t, triton.cdiv(h, bh))](
-        x, out, rid, w, h, num_slots(rid), w.stride(0),
+        x, out, rid, w, ok, h, num_slots(rid), x.shape[0], w.stride(0),
         HAS_W=weights is not None, BLOCK_H=bh, num_warps=4,
     )
+    _assert_ok(ok)
     return out
+
+
+def _assert_ok(ok: torch.Tensor) -> None:
+    """The merge kernels' input check, without a host sync: a device-side assert (on CUDA
+    it surfaces at the next synchronization; on CPU it raises at once)."""
+    torch._assert_async(
+        ok, "qmoe merge: row_id_map points past the rows of inp, or merging_probs holds NaN; "
+        "pass the permute's output with the row_id_map built for it, and finite probs",
+    )
 
 
 def merge_weight_grad(
@@ -215,10 +226,12 @@ def unpermute_fp8_rows(
     bh = _block_h(h)
     w = weights if weights is not None else scale
     e4m3 = fp8_dtype == torch.float8_e4m3fn
+    ok = torch.ones(1, dtype=torch.int32, device=qbits.device)
     unpermute_fp8_kernel[(t, triton.cdiv(h, bh))](
-        qbits.contiguous(), scale.contiguous(), out, rid, w, h, num_slots(rid),
-        scale.shape[-1] if scale.dim() else 1, w.stride(0) if w.dim() else 0,
+        qbits.contiguous(), scale.contiguous(), out, rid, w, ok, h, num_slots(rid),
+        qbits.shape[0], scale.shape[-1] if scale.dim() else 1, w.stride(0) if w.dim() else 0,
         LAYOUT=layout, BS=max(block_size, 1), MB=3 if e4m3 else 2, BIAS=7 if e4m3 else 15,
         HW_CAST=qbits.is_cuda, HAS_W=weights is not None, BLOCK_H=bh, num_warps=4,
     )
+    _assert_ok(ok)
     return out

@@ -130,8 +130,11 @@ def moe_unpermute(
                 f"{fn}: merging_probs has {merging_probs.shape[1]} columns but the map was "
                 f"built for {num_slots(row_id_map)} (E for a mask map, K for an index map)"
             )
+    # On CUDA the merge kernel itself checks the rows it reads and the weights it uses
+    # (no extra pass); elsewhere, check here.
+    if merging_probs is not None and not inp.is_cuda:
         C.check_no_nan(fn, "merging_probs", merging_probs)
-    if row_id_map.numel() and num_slots(row_id_map):
+    if row_id_map.numel() and num_slots(row_id_map) and not inp.is_cuda:
         C.check_values(
             fn, row_id_map[:, : num_slots(row_id_map)].max() < inp.shape[0],
             "row_id_map points past the rows of inp; pass the permute's output (all N "

@@ -143,3 +143,33 @@ def test_unpermute_fp8_kernel_dequantizes_in_place(kdevice, recipe, h):
             err = (got.cpu().double() - ref).abs()
             # dequantize, weight and k adds, each within half an fp32 ulp of its result
             assert (err <= (k + 2) * 2.0**-24 * mag).all(), float((err / mag).nan_to_num().max())
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_merge_kernels_refuse_rows_past_inp_and_nan_weights(kdevice, fp8):
+    """The merge kernels never read past inp: a map pointing beyond it (inp cut short),
+    or a NaN among the weights they use, trips their device-side check."""
+    import qmoe
+    from qmoe.ops.fp8 import _bits, _layout
+
+    t, e, k, h = 20, 8, 2, 64
+    _, mask = routing(t, e, k, "random", kdevice)
+    n = int(mask.sum())
+    rid = make_row_id_map(mask, n, False, 1)
+    w = torch.rand(t, e, device=kdevice)
+    x = torch.randn(n, h, device=kdevice)
+
+    def merge(rows, weights):
+        if not fp8:
+            return B.unpermute_rows(rows, rid, weights, use_triton=True)
+        q = qmoe.quantize(rows, qmoe.MXFP8())
+        return B.unpermute_fp8_rows(_bits(q), q.raw_scale, _layout(q), 32, q.fp8_dtype, rid,
+                                    weights, torch.float32, use_triton=True)
+
+    merge(x, w)  # fine as given
+    for rows, weights in ((x[: n - 3], w), (x, w.index_fill(1, torch.tensor([3], device=kdevice),
+                                                            float("nan")))):
+        with pytest.raises(RuntimeError, match="row_id_map points past the rows of inp"):
+            merge(rows, weights)
+            if kdevice == "cuda":
+                torch.cuda.synchronize()

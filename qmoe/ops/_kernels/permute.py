@@ -94,28 +94,39 @@ def unpermute_gather_kernel(
     out_ptr,  # (T, H) output dtype, contiguous
     map_ptr,  # (T, 2S+1) int32
     w_ptr,  # (T, P) merging weights, row stride stride_w (read only if HAS_W)
+    ok_ptr,  # (1,) int32, 1 on entry: set to 0 if a row is out of range or a weight NaN
     H,
     S,
+    N_IN,
     stride_w,
     HAS_W: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    """out[t] = sum over t's rows of inp[row] (* weight), accumulated in fp32 in row order."""
+    """out[t] = sum over t's rows of inp[row] (* weight), accumulated in fp32 in row order.
+    A row outside ``[0, N_IN)`` is never read (it adds zero and clears ``ok``)."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = cols < H
     mrow = map_ptr + t * (2 * S + 1)
-    n = tl.load(mrow + 2 * S)
+    n = tl.minimum(tl.load(mrow + 2 * S), S)
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    bad = tl.zeros((1,), dtype=tl.int32) + (n < 0).to(tl.int32)  # (1,): any problem seen
     for s in range(0, n):
         d = tl.load(mrow + s).to(tl.int64)
-        x = tl.load(inp_ptr + d * H + cols, mask=hmask, other=0.0).to(tl.float32)
+        inr = (d >= 0) & (d < N_IN)
+        bad = bad | (~inr).to(tl.int32)
+        dv = tl.zeros((BLOCK_H,), dtype=tl.int64) + d
+        lmask = hmask & (dv >= 0) & (dv < N_IN)
+        x = tl.load(inp_ptr + d * H + cols, mask=lmask, other=0.0).to(tl.float32)
         if HAS_W:
             c = tl.load(mrow + S + s)
-            acc += x * tl.load(w_ptr + t * stride_w + c).to(tl.float32)
+            wt = tl.load(w_ptr + t * stride_w + c).to(tl.float32)
+            bad = bad | (wt != wt).to(tl.int32)
+            acc += x * wt
         else:
             acc += x
     tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=hmask)
+    tl.store(ok_ptr + tl.arange(0, 1), tl.zeros((1,), dtype=tl.int32), mask=bad != 0)
 
 
 @triton.jit
@@ -174,8 +185,10 @@ def unpermute_fp8_kernel(
     out_ptr,  # (T, H) output dtype, contiguous
     map_ptr,  # (T, 2S+1) int32
     w_ptr,  # (T, P) merging weights, row stride stride_w (read only if HAS_W)
+    ok_ptr,  # (1,) int32, 1 on entry: set to 0 if a row is out of range or a weight NaN
     H,
     S,
+    N_IN,
     NB,
     stride_w,
     LAYOUT: tl.constexpr,
@@ -192,13 +205,19 @@ def unpermute_fp8_kernel(
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = cols < H
     mrow = map_ptr + t * (2 * S + 1)
-    n = tl.load(mrow + 2 * S)
+    n = tl.minimum(tl.load(mrow + 2 * S), S)
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    bad = tl.zeros((1,), dtype=tl.int32) + (n < 0).to(tl.int32)  # (1,): any problem seen
     if LAYOUT == 0:
         st = tl.load(s_ptr)
     for s in range(0, n):
         d = tl.load(mrow + s).to(tl.int64)
-        b = tl.load(q_ptr + d * H + cols, mask=hmask, other=0)
+        inr = (d >= 0) & (d < N_IN)
+        bad = bad | (~inr).to(tl.int32)
+        dv = tl.zeros((BLOCK_H,), dtype=tl.int64) + d
+        lmask = hmask & (dv >= 0) & (dv < N_IN)
+        d = tl.where(inr, d, 0)  # row 0 stands in (masked out below): never out of bounds
+        b = tl.load(q_ptr + d * H + cols, mask=lmask, other=0)
         v = fp8_bits_to_fp32(b, MB, BIAS, HW_CAST)
         if LAYOUT == 0:
             x = v * st
@@ -214,7 +233,10 @@ def unpermute_fp8_kernel(
                 sc = tl.where(sb == 255, nan, sc)
             x = v * sc
         if HAS_W:
-            acc += x * tl.load(w_ptr + t * stride_w + tl.load(mrow + S + s)).to(tl.float32)
+            wt = tl.load(w_ptr + t * stride_w + tl.load(mrow + S + s)).to(tl.float32)
+            bad = bad | (wt != wt).to(tl.int32)
+            acc += x * wt
         else:
             acc += x
     tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=hmask)
+    tl.store(ok_ptr + tl.arange(0, 1), tl.zeros((1,), dtype=tl.int32), mask=bad != 0)
