@@ -1,6 +1,7 @@
 """qmoe: FP8 mixture-of-experts token permutation for PyTorch."""
 
 from qmoe._backends import backends, load_cpp_kernels
+from qmoe.interop import from_torchao, to_torchao
 from qmoe.ops import (
     moe_permute,
     moe_permute_and_pad_with_probs,
@@ -33,6 +34,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "backends",
+    "from_torchao",
+    "to_torchao",
     "moe_permute",
     "moe_permute_with_probs",
     "moe_permute_and_pad_with_probs",

@@ -27,6 +27,10 @@ def check_tensor(fn: str, name: str, x, *, ndim: int | None = None, dtypes=None,
 
 def check_input(fn: str, inp) -> None:
     check_tensor(fn, "inp", inp, ndim=2, dtypes=_FLOATS, fix="pass tokens as [T, H]")
+    if type(inp).__module__.startswith("torchao") and not is_compiling():
+        # torchao's FP8 tensors: the rules that carry them through the ops live in
+        # qmoe.interop.torchao (registered on import; import it yourself before compiling).
+        import qmoe.interop.torchao  # noqa: F401
     from qmoe.tensors.base import QuantizedTensor
 
     # Non-strict export only: torch 2.11 also reports is_exporting() while Dynamo traces

@@ -1,0 +1,255 @@
+"""torchao's FP8 tensors through qmoe's ops (eager and compiled) and the conversions.
+
+Skipped without torchao (the ``torchao`` extra); CI installs it.
+"""
+
+import pytest
+import torch
+
+ao = pytest.importorskip("torchao")
+
+from torchao.float8 import Float8TrainingTensor  # noqa: E402
+from torchao.float8.config import ScalingGranularity  # noqa: E402
+from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic  # noqa: E402
+from torchao.float8.float8_training_tensor import LinearMMConfig  # noqa: E402
+from torchao.prototype.mx_formats.mx_tensor import MXTensor  # noqa: E402
+from torchao.quantization import Float8Tensor as AOFloat8Tensor  # noqa: E402
+from torchao.quantization import PerBlock, PerRow, PerTensor  # noqa: E402
+
+import qmoe  # noqa: E402
+from qmoe.interop.torchao import _parts  # noqa: E402
+from qmoe.ops import reference as R  # noqa: E402
+from tests.ops.helpers import routing  # noqa: E402
+from tests.tensors.helpers import assert_same_bits  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+LAYOUTS = {
+    "ao-pertensor": lambda x: AOFloat8Tensor.from_hp(x, granularity=PerTensor()),
+    "ao-perrow": lambda x: AOFloat8Tensor.from_hp(x, granularity=PerRow()),
+    "ao-block1x32-e5m2": lambda x: AOFloat8Tensor.from_hp(x, torch.float8_e5m2,
+                                                        granularity=PerBlock([1, 32])),
+    "mx-e4m3": lambda x: MXTensor.to_mx(x, torch.float8_e4m3fn, 32),
+    "mx-e5m2": lambda x: MXTensor.to_mx(x, torch.float8_e5m2, 32),
+    "train-tensorwise": lambda x: hp_tensor_to_float8_dynamic(x, torch.float8_e4m3fn,
+                                                              LinearMMConfig()),
+    "train-rowwise": lambda x: hp_tensor_to_float8_dynamic(
+        x, torch.float8_e4m3fn, LinearMMConfig(),
+        scaling_granularity=ScalingGranularity.AXISWISE, axiswise_dim=-1),
+    "train-colwise": lambda x: hp_tensor_to_float8_dynamic(
+        x, torch.float8_e4m3fn, LinearMMConfig(),
+        scaling_granularity=ScalingGranularity.AXISWISE, axiswise_dim=0),
+}
+
+
+def deq(t):
+    """torchao's own dequantization, fp32."""
+    if isinstance(t, Float8TrainingTensor):
+        return t.to_original_precision().float()
+    return t.dequantize().float()
+
+
+def deq64(t):
+    """The exact (fp64) dequantization of a torchao tensor, in its own convention."""
+    d, s, rows = _parts(t)
+    v = d.double()
+    if isinstance(t, MXTensor):
+        s = torch.pow(2.0, s.view(torch.uint8).double() - 127)
+    s = s.double()
+    if s.dim() == 2 and s.shape[0] == v.shape[0] and s.shape[1] > 1:
+        s = s.repeat_interleave(v.shape[1] // s.shape[1], dim=1)
+    return v / s if isinstance(t, Float8TrainingTensor) else v * s
+
+
+def check_moved(out, src, mask, n, align=1, chunks=None):
+    """out's data bytes (and per-row scales) are the reference movement of src's."""
+    assert type(out) is type(src)
+    d_out, s_out, rows = _parts(out)
+    d_src, s_src, _ = _parts(src)
+    u8 = lambda t: t.view(torch.uint8) if t.element_size() == 1 else t  # noqa: E731
+    if chunks is None:
+        want = R.permute(u8(d_src), mask, "mask", n, align_size=align)[0]
+    else:
+        want = R.sort_chunks(u8(d_src), *chunks)[0]
+    assert_same_bits(u8(d_out), want)
+    if rows:
+        if chunks is None:
+            kept = R.permute(torch.ones(mask.shape[0], 1), mask, "mask", n, align_size=align)[0]
+            kept = kept[:, 0] == 1
+            ws = R.permute(u8(s_src), mask, "mask", n, align_size=align)[0]
+            assert_same_bits(u8(s_out)[kept], ws[kept])
+        else:
+            assert_same_bits(u8(s_out), R.sort_chunks(u8(s_src), *chunks)[0])
+    else:
+        assert_same_bits(s_out, s_src)
+    d = deq(out)
+    assert torch.isfinite(d).all()
+    if chunks is None:  # rows no route fills dequantize to exact zeros
+        filled = R.permute(torch.ones(mask.shape[0], 1), mask, "mask", n, align_size=align)[0]
+        assert (d[filled[:, 0] == 0] == 0).all()
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_every_op_moves_torchao_rows_bit_exactly(name):
+    t, h, e, k = 37, 96, 6, 2
+    x = torch.randn(t, h, dtype=torch.bfloat16) * 3
+    src = LAYOUTS[name](x)
+    ids, mask = routing(t, e, k, "sentinels")
+    probs = torch.rand(t, e)
+    routed = int(mask.sum())
+    for n in (routed, routed - 9, routed + 4):
+        out, pp, rid = qmoe.moe_permute_with_probs(src, probs, mask, n)
+        check_moved(out, src, mask, n)
+        assert_same_bits(pp, R.permute(x, mask, "mask", n, probs)[1])
+        oi, _ = qmoe.moe_permute(src, ids, n, map_type="index")
+        assert_same_bits(_parts(oi)[0].view(torch.uint8), _parts(out)[0].view(torch.uint8))
+        # the merge dequantizes (torchao's convention) and sums in fp32
+        w = torch.rand(t, e)
+        y = qmoe.moe_unpermute(out, rid, w)
+        assert y.dtype == src.dtype and y.shape == (t, h)
+        ref = R.unpermute(deq64(out), mask, "mask", w, n)
+        mag = R.unpermute(deq64(out).abs(), mask, "mask", w, n)
+        # fp32 dequantize and accumulation, then one bf16 rounding (half an ulp <= 2**-8)
+        assert ((y.double() - ref).abs() <= 2**-8 * ref.abs() + 2**-20 * mag).all()
+    out, pp, rid, _, target = qmoe.moe_permute_and_pad_with_probs(src, probs, mask, None, 16)
+    check_moved(out, src, mask, None, align=16)
+    sizes, order = [5, 0, 20, 12], [2, 0, 3, 1]
+    sc, _ = qmoe.moe_sort_chunks_by_index_with_probs(src, torch.rand(t), torch.tensor(sizes),
+                                                     torch.tensor(order))
+    check_moved(sc, src, mask, None, chunks=(sizes, order))
+
+
+def test_conventions_and_zero_copy_conversions():
+    x = torch.randn(64, 128, dtype=torch.bfloat16)
+    for name in ("ao-pertensor", "ao-perrow", "ao-block1x32-e5m2", "mx-e4m3"):
+        t = LAYOUTS[name](x)
+        q = qmoe.from_torchao(t)
+        assert q.qdata.data_ptr() == _parts(t)[0].data_ptr()  # the same fp8 bytes
+        assert_same_bits(q.dequantize(), t.dequantize())  # qdata * scale, both sides
+        back = qmoe.to_torchao(q, type(t))
+        assert type(back) is type(t) and back.qdata.data_ptr() == q.qdata.data_ptr()
+        assert_same_bits(back.dequantize(), t.dequantize())
+    for name in ("train-tensorwise", "train-rowwise"):
+        t = LAYOUTS[name](x)
+        q = qmoe.from_torchao(t)  # data / scale becomes data * (1 / scale)
+        assert q.qdata.data_ptr() == t._data.data_ptr()
+        torch.testing.assert_close(q.dequantize(torch.float32).double(), deq64(t),
+                                   rtol=2**-22, atol=0)
+        back = qmoe.to_torchao(q, Float8TrainingTensor)
+        assert back._data.data_ptr() == t._data.data_ptr()
+        torch.testing.assert_close(deq64(back), deq64(t), rtol=2**-22, atol=0)
+    # qmoe's own recipes out to torchao and back
+    for recipe, cls in ((qmoe.PerTensor(), AOFloat8Tensor), (qmoe.Blockwise(), AOFloat8Tensor),
+                        (qmoe.MXFP8(), MXTensor), (qmoe.PerTensor(), Float8TrainingTensor)):
+        q = qmoe.quantize(x, recipe)
+        a = qmoe.to_torchao(q, cls)
+        torch.testing.assert_close(deq64(a), q.dequantize(torch.float64), rtol=2**-22, atol=0)
+
+
+@pytest.mark.parametrize("make,what", [
+    (lambda x: AOFloat8Tensor.from_hp(x, granularity=PerBlock([128, 128])), "scale"),
+    (lambda x: MXTensor.to_mx(x, torch.float8_e4m3fn, 32, is_swizzled_scales=True), "swizzled"),
+])
+def test_layouts_that_do_not_map_are_refused(make, what):
+    x = torch.randn(128, 256, dtype=torch.bfloat16)
+    t = make(x)
+    mask = routing(128, 4, 2)[1]
+    with pytest.raises(ValueError, match=what):
+        qmoe.moe_permute(t, mask, 256)
+    with pytest.raises(ValueError, match=what):
+        qmoe.from_torchao(t)
+
+
+def test_conversion_errors():
+    x = torch.randn(8, 96, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="per-column"):
+        qmoe.from_torchao(LAYOUTS["train-colwise"](x))
+    with pytest.raises(ValueError, match="MXTensor needs an MXFP8Tensor"):
+        qmoe.to_torchao(qmoe.quantize(x, qmoe.PerTensor()), MXTensor)
+    with pytest.raises(ValueError, match="does not tile"):
+        qmoe.to_torchao(qmoe.quantize(x, qmoe.Blockwise()), AOFloat8Tensor)
+    with pytest.raises(TypeError, match="expected one of torchao"):
+        qmoe.from_torchao(x)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name", ["mx-e4m3", "train-rowwise"])
+def test_torchao_tensors_under_compile(name):
+    """fullgraph=True, inductor: same class out, bit-identical to eager."""
+    t, h, e, k = 48, 64, 8, 2
+    src = LAYOUTS[name](torch.randn(t, h, dtype=torch.bfloat16))
+    _, mask = routing(t, e, k)
+    probs = torch.rand(t, e)
+
+    def f(src, probs):
+        out, pp, rid, _, _ = qmoe.moe_permute_and_pad_with_probs(
+            src, probs, mask, None, 32, num_out_tokens=t * k + e * 32)
+        return out, pp, qmoe.moe_unpermute(out, rid, probs)
+
+    torch._dynamo.reset()
+    got = torch.compile(f, fullgraph=True)(src, probs)
+    want = f(src, probs)
+    assert type(got[0]) is type(want[0])
+    for a, b in zip(_parts(got[0])[:2], _parts(want[0])[:2]):
+        assert_same_bits(a, b)
+    assert_same_bits(got[1], want[1])
+    torch.testing.assert_close(got[2], want[2], rtol=0, atol=0)
+
+
+def _moe_mxfp8(x, probs, mask, w, e):
+    """torchtitan-style MXFP8 expert block: torchao quantizes the tokens, qmoe permutes
+    them (groups padded to 32 rows), torchao's MXFP8 grouped mm, qmoe merges."""
+    from torchao.prototype.moe_training import _to_mxfp8_then_scaled_grouped_mm
+    from torchao.quantization.quantize_.common import KernelPreference
+
+    q = MXTensor.to_mx(x, torch.float8_e4m3fn, 32)
+    bound = x.shape[0] * 2 + e * 32  # sync-free form: a fixed upper bound on the rows
+    out, pp, rid, _, target = qmoe.moe_permute_and_pad_with_probs(
+        q, probs, mask, None, 32, num_out_tokens=bound)
+    offs = torch.cumsum(target, 0).to(torch.int32)
+    offs[-1] = bound  # spare rows join the last group (zero rows: no effect)
+    y = _to_mxfp8_then_scaled_grouped_mm(out, w.transpose(-2, -1), offs=offs,
+                                         kernel_preference=KernelPreference.EMULATED,
+                                         wgrad_with_hp=True)
+    return qmoe.moe_unpermute(y, rid, probs)
+
+
+def _reference(x, probs, mask, w):
+    """bf16 inputs, fp32 math: per route probs[t, e] * x[t] @ w[e].T, summed."""
+    ref = torch.zeros(x.shape[0], w.shape[1])
+    for ee in range(w.shape[0]):
+        rows = mask[:, ee]
+        ref = ref.index_add(0, rows.nonzero()[:, 0],
+                            (x[rows].float() @ w[ee].float().T) * probs[rows, ee][:, None])
+    return ref
+
+
+def test_torchtitan_style_mxfp8_grouped_mm_pipeline():
+    from tests.tensors.helpers import sqnr_db
+
+    t, h, n, e = 64, 64, 96, 4
+    x = torch.randn(t, h, dtype=torch.bfloat16)
+    ids, mask = routing(t, e, 2)
+    probs = torch.rand(t, e)
+    w = (torch.randn(e, n, h) / h**0.5).to(torch.bfloat16)
+    z = _moe_mxfp8(x, probs, mask, w, e)
+    assert z.dtype == torch.bfloat16 and z.shape == (t, n)
+    assert sqnr_db(_reference(x, probs, mask, w), z.float()) > 25  # MXFP8 e4m3 forward
+    # fullgraph=True through AOTAutograd. Not inductor: on CPU it cannot generate code for
+    # the e8m0 scales torchao's to_mx computes inside the block (qmoe's own part compiles
+    # with inductor: test_torchao_tensors_under_compile).
+    torch._dynamo.reset()
+    step = torch.compile(lambda x, p, w: _moe_mxfp8(x, p, mask, w, e), fullgraph=True,
+                         backend="aot_eager")
+    assert_same_bits(step(x, probs, w), z)
+
+
+@pytest.mark.xfail(raises=TypeError, strict=True, reason="torchao 0.18 on CPU: the MXTensor-"
+                   "input backward calls triton_mxfp8_dequant_dim0(scale_block_size=...), which "
+                   "its CPU stub does not take; drop this mark when torchao fixes it")
+def test_mxfp8_grouped_mm_backward_with_mxtensor_input():
+    t, h, n, e = 64, 64, 96, 4
+    ids, mask = routing(t, e, 2)
+    w = (torch.randn(e, n, h) / h**0.5).to(torch.bfloat16).requires_grad_()
+    z = _moe_mxfp8(torch.randn(t, h, dtype=torch.bfloat16), torch.rand(t, e), mask, w, e)
+    z.backward(torch.randn_like(z))
