@@ -253,3 +253,10 @@ def test_mxfp8_grouped_mm_backward_with_mxtensor_input():
     w = (torch.randn(e, n, h) / h**0.5).to(torch.bfloat16).requires_grad_()
     z = _moe_mxfp8(torch.randn(t, h, dtype=torch.bfloat16), torch.rand(t, e), mask, w, e)
     z.backward(torch.randn_like(z))
+
+
+def test_example_runs():
+    import runpy
+    from pathlib import Path
+
+    runpy.run_path(str(Path(__file__).parents[2] / "examples" / "torchao_interop.py"))
