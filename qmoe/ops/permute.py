@@ -10,7 +10,9 @@ import torch
 from qmoe._library import define
 from qmoe.ops import _checks as C
 from qmoe.ops.backend import permute_rows
+from qmoe.ops.quantize_permute import quantize_and_permute
 from qmoe.ops.row_id_map import num_slots
+from qmoe.tensors.recipes import Recipe
 
 __all__ = ["moe_permute", "moe_permute_with_probs", "moe_permute_and_pad_with_probs"]
 
@@ -43,19 +45,24 @@ def _setup(ctx, inputs, output):
     ctx.probs_shape = None if probs is None else (tuple(probs.shape), probs.dtype)
 
 
+def probs_grad(rid: torch.Tensor, grad_probs: torch.Tensor, t: int, p: int, dtype):
+    """``[T, P]`` gradient of the probs from that of ``permuted_probs`` ``[N]``."""
+    s = num_slots(rid)
+    dst = rid[:, :s].long()
+    vals = torch.where(dst >= 0, grad_probs[dst.clamp(min=0)] if grad_probs.numel() else 0, 0)
+    gp = torch.zeros(t, p + 1, dtype=dtype, device=rid.device)
+    cols = torch.where(dst >= 0, rid[:, s : 2 * s].long(), p)  # unused slots: scratch col
+    gp.scatter_(1, cols, vals.to(dtype))
+    return gp[:, :p]
+
+
 def _backward(ctx, grad_out, grad_probs):
     (rid,) = ctx.saved_tensors
     grad_inp = torch.ops.qmoe.unpermute(grad_out.contiguous(), rid, None)
     gp = None
     if ctx.probs_shape is not None and grad_probs is not None:
         (t, p), dtype = ctx.probs_shape
-        s = num_slots(rid)
-        dst = rid[:, :s].long()
-        vals = torch.where(dst >= 0, grad_probs[dst.clamp(min=0)] if grad_probs.numel() else 0, 0)
-        gp = torch.zeros(t, p + 1, dtype=dtype, device=rid.device)
-        cols = torch.where(dst >= 0, rid[:, s : 2 * s].long(), p)  # unused slots: scratch col
-        gp.scatter_(1, cols, vals.to(dtype))
-        gp = gp[:, :p]
+        gp = probs_grad(rid, grad_probs, t, p, dtype)
     return grad_inp, None, gp, None
 
 
@@ -119,6 +126,8 @@ def moe_permute(
     map_type: str = "mask",
     *,
     num_experts: int | None = None,
+    quantize: Recipe | None = None,
+    quantize_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Group the rows of ``inp`` by expert: ``(output, row_id_map)``.
 
@@ -138,6 +147,13 @@ def moe_permute(
         num_experts: index maps only: ids ``>= num_experts`` raise. Ids below ``-1``
             always raise (a ``ValueError`` on the syncing path and on CPU; an async device
             assert on the sync-free CUDA path).
+        quantize: a recipe (``qmoe.Blockwise()``, ``qmoe.MXFP8()``, ``qmoe.PerTensor()``)
+            to quantize ``inp`` (high precision) on the way: each token row is read once
+            and its K quantized copies and scale rows are written straight into the
+            permuted layout (one pass on CUDA). The output is the recipe's quantized type,
+            bit for bit ``moe_permute(qmoe.quantize(inp, recipe), ...)``. PerTensor computes
+            its scale from ``inp`` first (a device reduction) unless ``quantize_scale``
+            (a one-element tensor) gives it.
 
     Returns:
         ``output`` ``[N, H]`` in ``inp.dtype``: expert-major, token-minor (all rows of
@@ -147,6 +163,9 @@ def moe_permute(
     """
     del max_token_num
     rid, n = _prepare("moe_permute", inp, routing_map, map_type, num_out_tokens, num_experts)
+    if quantize is not None:
+        out, _ = quantize_and_permute("moe_permute", inp, None, rid, n, quantize, quantize_scale)
+        return out, rid
     out, _ = torch.ops.qmoe.permute(inp, rid, None, n)
     return out, rid
 
@@ -159,12 +178,15 @@ def moe_permute_with_probs(
     *,
     map_type: str = "mask",
     num_experts: int | None = None,
+    quantize: Recipe | None = None,
+    quantize_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``moe_permute`` that also permutes ``probs``: ``(output, permuted_probs, row_id_map)``.
 
     ``probs`` is ``[T, E]`` (mask map) or ``[T, K]`` (index map), float. ``permuted_probs``
     is ``[N]`` in ``probs.dtype``: the prob of each output row's route (zero on rows no
-    route fills). Differentiable in ``inp`` and ``probs``. Host sync as in ``moe_permute``.
+    route fills). Differentiable in ``inp`` and ``probs``. Host sync as in ``moe_permute``;
+    ``quantize`` / ``quantize_scale`` as there (fused quantize-and-permute).
     """
     fn = "moe_permute_with_probs"
     if probs is None:
@@ -172,6 +194,9 @@ def moe_permute_with_probs(
     rid, n = _prepare(fn, inp, routing_map, map_type, num_out_tokens, num_experts)
     C.check_probs(fn, "probs", probs, inp.shape[0], routing_map.shape[1], inp,
                   "E" if map_type == "mask" else "K")
+    if quantize is not None:
+        out, pp = quantize_and_permute(fn, inp, probs, rid, n, quantize, quantize_scale)
+        return out, pp, rid
     out, pp = torch.ops.qmoe.permute(inp, rid, probs, n)
     return out, pp, rid
 
@@ -184,8 +209,11 @@ def moe_permute_and_pad_with_probs(
     align_size: int,
     *,
     num_out_tokens: int | None = None,
+    quantize: Recipe | None = None,
+    quantize_scale: torch.Tensor | None = None,
 ):
     """Permute with each expert's group padded to a multiple of ``align_size`` (mask map).
+    ``quantize`` / ``quantize_scale``: fused quantize-and-permute, as in ``moe_permute``.
 
     Returns ``(output [N, H], permuted_probs [N], row_id_map, pad_offsets [E] int64 or
     None, target_tokens_per_expert [E] int64)``. Padding rows sit at the end of each
@@ -229,5 +257,8 @@ def moe_permute_and_pad_with_probs(
             )
         if not bool(pads.any()):
             pad_offsets = None
-    out, pp = torch.ops.qmoe.permute(inp, rid, probs, n)
+    if quantize is not None:
+        out, pp = quantize_and_permute(fn, inp, probs, rid, n, quantize, quantize_scale)
+    else:
+        out, pp = torch.ops.qmoe.permute(inp, rid, probs, n)
     return out, pp, rid, pad_offsets, target

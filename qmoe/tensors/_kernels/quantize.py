@@ -56,6 +56,53 @@ def fp32_to_fp8_bits(y, MB: tl.constexpr, BIAS: tl.constexpr, HW_CAST: tl.conste
 
 
 @triton.jit
+def quantize_tile(
+    x,  # (BLOCK_R, GROUPS, BS) fp32
+    s_ptr,  # () fp32 scale, read only for SCALE_GIVEN
+    FP8_MAX: tl.constexpr,
+    EMAX_ELEM: tl.constexpr,
+    EPS: tl.constexpr,
+    SCALE_MODE: tl.constexpr,
+    MB: tl.constexpr,
+    BIAS: tl.constexpr,
+    HW_CAST: tl.constexpr,
+):
+    """``(fp8 bits (BLOCK_R, GROUPS, BS) uint8, stored scale (BLOCK_R, GROUPS))`` of a
+    tile: one scale per ``1 x BS`` block (fp32, or the e8m0 byte for MX; for SCALE_GIVEN
+    the given scale, which callers do not store). Shared by the quantize and the fused
+    quantize-permute kernels, so both give the same bits."""
+    if SCALE_MODE == 3:  # SCALE_GIVEN
+        scale = tl.load(s_ptr)
+        y = tl.math.div_rn(x, scale)
+        stored = tl.zeros((x.shape[0], x.shape[1]), dtype=tl.float32) + scale
+    else:
+        amax = tl.max(tl.abs(x), axis=2)  # (BLOCK_R, GROUPS)
+        # max.f32 drops NaN; a block holding NaN gets a NaN amax, as torch.amax gives.
+        has_nan = tl.max((x != x).to(tl.int32), axis=2) > 0
+        nan = tl.full(amax.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
+        amax = tl.where(has_nan, nan, amax)
+        if SCALE_MODE == 2:  # SCALE_MX_FLOOR
+            # OCP MX: the block's largest power of two over the element format's.
+            exp = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+            biased = tl.minimum(tl.maximum(exp - EMAX_ELEM, -127), 128) + 127
+            biased = tl.where(amax != amax, 255, biased)
+            stored = biased.to(tl.uint8)
+            scale = (biased << 23).to(tl.float32, bitcast=True)
+            scale = tl.maximum(scale, 1.1754943508222875e-38)  # 2**-126, as torchao does
+        else:
+            scale = tl.math.div_rn(tl.where(amax < EPS, EPS, amax), FP8_MAX)
+            if SCALE_MODE == 1:  # SCALE_POW2
+                sb = scale.to(tl.int32, bitcast=True)
+                sb = (sb + 0x7FFFFF) & 0x7F800000
+                scale = sb.to(tl.float32, bitcast=True)
+            scale = tl.where(has_nan, nan, scale)  # one NaN pattern on every device
+            stored = scale
+        y = tl.math.div_rn(x, scale[:, :, None])
+    y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX))
+    return fp32_to_fp8_bits(y, MB, BIAS, HW_CAST), stored
+
+
+@triton.jit
 def quantize_rows_kernel(
     x_ptr,  # (R, H) fp32 / bf16 / fp16, row stride stride_xr
     q_ptr,  # (R, H) uint8 view of the fp8 output, contiguous
@@ -84,39 +131,11 @@ def quantize_rows_kernel(
     mask = rmask[:, None, None] & (cols < H)[None, :, :]
     rows64 = rows.to(tl.int64)
     x = tl.load(x_ptr + rows64[:, None, None] * stride_xr + cols[None, :, :], mask=mask, other=0.0)
-    x = x.to(tl.float32)  # (BLOCK_R, GROUPS, BS)
-
-    if SCALE_MODE == 3:  # SCALE_GIVEN
-        scale = tl.load(s_ptr)
-        y = tl.math.div_rn(x, scale)
-    else:
-        amax = tl.max(tl.abs(x), axis=2)  # (BLOCK_R, GROUPS)
-        # max.f32 drops NaN; a block holding NaN gets a NaN amax, as torch.amax gives.
-        has_nan = tl.max((x != x).to(tl.int32), axis=2) > 0
-        nan = tl.full(amax.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
-        amax = tl.where(has_nan, nan, amax)
+    q, stored = quantize_tile(x.to(tl.float32), s_ptr, FP8_MAX, EMAX_ELEM, EPS, SCALE_MODE,
+                              MB, BIAS, HW_CAST)
+    if SCALE_MODE != 3:
         smask = rmask[:, None] & (blocks < NB)[None, :]
-        s_offs = rows64[:, None] * NB + blocks[None, :]
-        if SCALE_MODE == 2:  # SCALE_MX_FLOOR
-            # OCP MX: the block's largest power of two over the element format's.
-            exp = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-            biased = tl.minimum(tl.maximum(exp - EMAX_ELEM, -127), 128) + 127
-            biased = tl.where(amax != amax, 255, biased)
-            tl.store(s_ptr + s_offs, biased.to(tl.uint8), mask=smask)
-            scale = (biased << 23).to(tl.float32, bitcast=True)
-            scale = tl.maximum(scale, 1.1754943508222875e-38)  # 2**-126, as torchao does
-        else:
-            scale = tl.math.div_rn(tl.where(amax < EPS, EPS, amax), FP8_MAX)
-            if SCALE_MODE == 1:  # SCALE_POW2
-                sb = scale.to(tl.int32, bitcast=True)
-                sb = (sb + 0x7FFFFF) & 0x7F800000
-                scale = sb.to(tl.float32, bitcast=True)
-            scale = tl.where(has_nan, nan, scale)  # one NaN pattern on every device
-            tl.store(s_ptr + s_offs, scale, mask=smask)
-        y = tl.math.div_rn(x, scale[:, :, None])
-
-    y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX))
-    q = fp32_to_fp8_bits(y, MB, BIAS, HW_CAST)
+        tl.store(s_ptr + rows64[:, None] * NB + blocks[None, :], stored, mask=smask)
     tl.store(q_ptr + rows64[:, None, None] * H + cols[None, :, :], q, mask=mask)
 
 

@@ -1,0 +1,64 @@
+"""Triton code for the fused quantize-and-permute (launcher: ``qmoe/ops/quantize_permute.py``).
+
+Glossary: T tokens, H hidden, S map slots per token, N output rows, P probs columns,
+BS the scale block along H, NB = ceil(H / BS) blocks per row, GROUPS blocks per program.
+
+A program reads one ``GROUPS * BS`` chunk of one token's high-precision row once,
+quantizes it with the same code as ``qmoe.quantize`` (``quantize_tile``: one scale per
+block, or a given per-tensor scale) and writes the fp8 bits and the scale blocks to every
+output row of the token's routes. fp8 goes through ``uint8`` so the interpreter runs it.
+"""
+
+import triton
+import triton.language as tl
+
+from qmoe.tensors._kernels.quantize import quantize_tile
+
+
+@triton.jit
+def quantize_permute_kernel(
+    x_ptr,  # (T, H) fp32 / bf16 / fp16, row stride stride_x
+    q_ptr,  # (N, H) uint8 out: fp8 bits of the permuted rows, contiguous
+    s_ptr,  # (N, NB) fp32 or uint8 (e8m0) out; () fp32 in for SCALE_GIVEN
+    map_ptr,  # (T, 2S+1) int32 row_id_map
+    p_ptr,  # (T, P) float probs, row stride stride_p (read only if HAS_P)
+    pp_ptr,  # (N,) probs dtype out: permuted probs (written only if HAS_P)
+    written_ptr,  # (N,) int8, zero-initialized: 1 for every row written
+    H,
+    NB,
+    S,
+    stride_x,
+    stride_p,
+    FP8_MAX: tl.constexpr,
+    EMAX_ELEM: tl.constexpr,
+    EPS: tl.constexpr,
+    SCALE_MODE: tl.constexpr,
+    MB: tl.constexpr,
+    BIAS: tl.constexpr,
+    HW_CAST: tl.constexpr,
+    HAS_P: tl.constexpr,
+    BS: tl.constexpr,
+    GROUPS: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    pid_g = tl.program_id(1)
+    blocks = pid_g * GROUPS + tl.arange(0, GROUPS)  # (GROUPS,)
+    cols = blocks[:, None] * BS + tl.arange(0, BS)[None, :]  # (GROUPS, BS)
+    mask = (cols < H)[None, :, :]  # (1, GROUPS, BS)
+    x = tl.load(x_ptr + t * stride_x + cols[None, :, :], mask=mask, other=0.0)
+    q, stored = quantize_tile(x.to(tl.float32), s_ptr, FP8_MAX, EMAX_ELEM, EPS, SCALE_MODE,
+                              MB, BIAS, HW_CAST)
+    smask = (blocks < NB)[None, :]
+    mrow = map_ptr + t * (2 * S + 1)
+    n = tl.load(mrow + 2 * S)
+    one = tl.arange(0, 1)
+    for s in range(0, n):
+        d = tl.load(mrow + s).to(tl.int64)
+        tl.store(q_ptr + d * H + cols[None, :, :], q, mask=mask)
+        if SCALE_MODE != 3:
+            tl.store(s_ptr + d * NB + blocks[None, :], stored, mask=smask)
+        if pid_g == 0:
+            tl.store(written_ptr + d + one, tl.full((1,), 1, dtype=tl.int8))
+            if HAS_P:
+                c = tl.load(mrow + S + s + one)
+                tl.store(pp_ptr + d + one, tl.load(p_ptr + t * stride_p + c))

@@ -1,0 +1,141 @@
+"""Fused quantize-and-permute: bit for bit ``moe_permute(qmoe.quantize(x, recipe))``."""
+
+import pytest
+import torch
+
+import qmoe
+from qmoe.ops.quantize_permute import _two_step, quantize_permute_triton
+from qmoe.tensors.quantize import _scale_mode, per_tensor_scale
+from tests.ops.helpers import routing
+from tests.tensors.helpers import RECIPES, assert_same_bits, assert_same_quantized
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _args(recipe, x):
+    if isinstance(recipe, qmoe.PerTensor):
+        return 0, recipe.fp8_dtype, "given", per_tensor_scale(x, recipe)
+    return recipe.block_size, recipe.fp8_dtype, _scale_mode(recipe), None
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+@pytest.mark.parametrize("t,h,e,k,kind,extra", [
+    (1, 17, 4, 2, "random", 0), (63, 160, 8, 3, "sentinels", -9), (40, 300, 16, 4,
+                                                                    "empty_experts", 7),
+])
+def test_fused_kernel_matches_two_steps(kdevice, recipe, t, h, e, k, kind, extra):
+    """The Triton kernel (CUDA, or the interpreter) against quantize then permute."""
+    r = RECIPES[recipe]
+    ids, mask = routing(t, e, k, kind, kdevice)
+    n = max(0, int(mask.sum()) + extra)
+    for dtype in ((torch.float32, torch.bfloat16) if kdevice == "cpu" else
+                  (torch.float32, torch.bfloat16, torch.float16)):
+        x = (torch.randn(t, h, device=kdevice) * torch.logspace(-2, 2, h, device=kdevice)).to(dtype)
+        probs = torch.rand(t, e, device=kdevice)
+        for rm, is_index in ((mask, False), (ids, True)):
+            rid = torch.ops.qmoe.make_row_id_map(rm, n, is_index, 1)
+            p = probs if not is_index else probs[:, :k]
+            got = quantize_permute_triton(x, rid, p, n, *_args(r, x))
+            want = _two_step(x.cpu(), rid.cpu(), p.cpu(), n, *_args(r, x.cpu()))
+            for a, b in zip(got, want):
+                assert_same_bits(a.cpu(), b)
+
+
+@pytest.mark.parametrize("recipe", ["blockwise-e4m3", "mx-e5m2", "pertensor-e4m3"])
+def test_public_functions_with_quantize(recipe):
+    r = RECIPES[recipe]
+    t, h, e, k = 50, 256, 8, 2
+    ids, mask = routing(t, e, k, "sentinels", DEV)
+    x = torch.randn(t, h, device=DEV, dtype=torch.bfloat16)
+    probs = torch.rand(t, e, device=DEV)
+    q = qmoe.quantize(x, r)
+    n = int(mask.sum()) - 3
+    a, rid = qmoe.moe_permute(x, ids, n, map_type="index", quantize=r)
+    b, _ = qmoe.moe_permute(q, ids, n, map_type="index")
+    assert_same_quantized(a, b)
+    a, pa, _ = qmoe.moe_permute_with_probs(x, probs, mask, n, quantize=r)
+    b, pb, _ = qmoe.moe_permute_with_probs(q, probs, mask, n)
+    assert_same_quantized(a, b)
+    assert_same_bits(pa, pb)
+    for bound in (None, t * k + e * 16):
+        a = qmoe.moe_permute_and_pad_with_probs(x, probs, mask, None, 16, num_out_tokens=bound,
+                                                quantize=r)
+        b = qmoe.moe_permute_and_pad_with_probs(q, probs, mask, None, 16, num_out_tokens=bound)
+        assert_same_quantized(a[0], b[0])
+        assert_same_bits(a[1], b[1])
+    if isinstance(r, qmoe.PerTensor):  # a given scale
+        s = torch.tensor(0.01, device=DEV)
+        a, _ = qmoe.moe_permute(x, mask, n, quantize=r, quantize_scale=s)
+        b, _ = qmoe.moe_permute(qmoe.quantize(x, r, scale=s), mask, n)
+        assert_same_quantized(a, b)
+
+
+@pytest.mark.parametrize("recipe", ["blockwise-e4m3", "mx-e4m3", "pertensor-e5m2"])
+def test_backward_matches_two_steps(recipe):
+    r = RECIPES[recipe]
+    t, h, e, k = 30, 128, 6, 2
+    _, mask = routing(t, e, k, "random", DEV)
+    x0 = torch.randn(t, h, device=DEV)
+    p0 = torch.rand(t, e, device=DEV)
+    grads = []
+    for fused in (True, False):
+        x, p = x0.clone().requires_grad_(), p0.clone().requires_grad_()
+        if fused:
+            out, pp, rid = qmoe.moe_permute_with_probs(x, p, mask, t * k - 5, quantize=r)
+        else:
+            out, pp, rid = qmoe.moe_permute_with_probs(qmoe.quantize(x, r), p, mask, t * k - 5)
+        y = qmoe.moe_unpermute(out.dequantize() * pp[:, None], rid)
+        y.square().sum().backward()
+        grads.append((x.grad, p.grad))
+    assert grads[0][0] is not None and grads[0][0].dtype == torch.float32
+    for a, b in zip(*grads):
+        assert_same_bits(a, b)
+
+
+def test_opcheck_and_fake():
+    t, h, e = 12, 64, 4
+    _, mask = routing(t, e, 2, "random", DEV)
+    x = torch.randn(t, h, device=DEV)
+    probs = torch.rand(t, e, device=DEV)
+    for n in (0, int(mask.sum()), int(mask.sum()) + 3):
+        rid = torch.ops.qmoe.make_row_id_map(mask, n, False, 1)
+        for args in ((32, torch.float8_e4m3fn, "mx_floor", None),
+                     (128, torch.float8_e5m2, "pow2", None),
+                     (0, torch.float8_e4m3fn, "given", torch.tensor(0.05, device=DEV))):
+            for p in (probs, None):
+                torch.library.opcheck(torch.ops.qmoe.quantize_permute.default,
+                                      (x, rid, p, n, *args))
+    empty = torch.randn(0, h, device=DEV)
+    rid = torch.ops.qmoe.make_row_id_map(mask[:0], 0, False, 1)
+    torch.library.opcheck(torch.ops.qmoe.quantize_permute.default,
+                          (empty, rid, None, 0, 128, torch.float8_e4m3fn, "amax", None))
+
+
+@pytest.mark.compile
+def test_fused_path_compiles_fullgraph():
+    t, h, e, k = 40, 128, 8, 2
+    _, mask = routing(t, e, k, "random", DEV)
+    x = torch.randn(t, h, device=DEV)
+    probs = torch.rand(t, e, device=DEV)
+
+    def f(x, probs):
+        out, pp, rid = qmoe.moe_permute_with_probs(x, probs, mask, t * k, quantize=qmoe.MXFP8())
+        return out, pp, qmoe.moe_unpermute(out, rid, probs)
+
+    torch._dynamo.reset()
+    got = torch.compile(f, fullgraph=True)(x, probs)
+    want = f(x, probs)
+    assert_same_quantized(got[0], want[0])
+    assert_same_bits(got[1], want[1])
+    assert_same_bits(got[2], want[2])
+
+
+def test_bad_quantize_arguments():
+    x = torch.randn(4, 32)
+    mask = torch.ones(4, 2, dtype=torch.bool)
+    with pytest.raises(TypeError, match="inp is already quantized"):
+        qmoe.moe_permute(qmoe.quantize(x, qmoe.MXFP8()), mask, 8, quantize=qmoe.MXFP8())
+    with pytest.raises(TypeError, match="quantize must be"):
+        qmoe.moe_permute(x, mask, 8, quantize="mxfp8")
+    with pytest.raises(ValueError, match="quantize_scale is only accepted"):
+        qmoe.moe_permute(x, mask, 8, quantize=qmoe.MXFP8(), quantize_scale=torch.tensor(1.0))
