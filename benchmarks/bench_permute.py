@@ -110,6 +110,14 @@ def run_config(name: str, copy_bw: float, dev: str = "cuda") -> list[dict]:
             lambda q=q: torch.ops.qmoe.permute(q, rid, None, n), qmove)
         cases[f"fp8 {rname}: unpermute(merging_probs)"] = (
             lambda qy=qy: qmoe.moe_unpermute(qy, rid, probs), n * per_row + t * row_bytes)
+        # Fused quantize-and-permute (issue 9): read T*H bf16, write N rows of fp8 + scales;
+        # next to it the two steps it replaces (quantize, then permute the fp8 rows).
+        fused_bytes = t * row_bytes + n * per_row + map_bytes
+        cases[f"fused {rname}: quantize+permute(mask)"] = (
+            lambda recipe=recipe: qmoe.moe_permute(x, mask, n, quantize=recipe), fused_bytes)
+        cases[f"fused {rname}: quantize then permute"] = (
+            lambda recipe=recipe: qmoe.moe_permute(qmoe.quantize(x, recipe), mask, n),
+            fused_bytes)
     for case, (fn, nbytes) in cases.items():
         ms_eager = median_ms(fn)
         ms = graph_median_ms(fn) or ms_eager
