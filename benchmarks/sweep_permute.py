@@ -44,6 +44,27 @@ def sweep_config(name: str, copy_bw: float) -> list[dict]:
     ms = graph_median_ms(lambda: torch.ops.qmoe.make_row_id_map(mask, n, False, 1))
     rows.append({"config": name, "kernel": "make_row_id_map(mask)", "ms": round(ms, 4)})
     print(name, "make_row_id_map(mask)", f"{ms:.4f} ms", file=sys.stderr)
+    # fp8 rows move as uint8 (1 byte per element): the same kernel on a [T, H] uint8 input.
+    xb = x.view(torch.uint8)[:, :h].contiguous()
+    outb = torch.empty(n, h, dtype=torch.uint8, device="cuda")
+    fbytes = (t + n) * h + rid.numel() * 4
+    for bh in (1024, 2048, 4096, 8192):
+        for nw in (4, 8, 16):
+            for kb in (1, 2, 4):
+                if kb * bh > 16384:
+                    continue
+
+                def scatter8(bh=bh, nw=nw, kb=kb):
+                    permute_scatter_kernel[(t, triton.cdiv(h, bh))](
+                        xb, outb, rid, xb, written, xb, written, h, s, xb.stride(0), 0, 0,
+                        HAS_W=False, HAS_P=False, KB=kb, BLOCK_H=bh, num_warps=nw)
+
+                ms = graph_median_ms(scatter8)
+                pct = 100 * fbytes / (ms * 1e-3) / 1e9 / copy_bw
+                rows.append({"config": name, "kernel": "permute_scatter_uint8", "BLOCK_H": bh,
+                             "num_warps": nw, "KB": kb, "ms": round(ms, 4),
+                             "pct_copy_bw": round(pct, 1)})
+                print(name, "scatter-u8", bh, nw, kb, f"{ms:.4f} ms {pct:.1f}%", file=sys.stderr)
     for bh in (512, 1024, 2048, 4096):
         for nw in (4, 8, 16):
             for kb in (1, 2, 4, 8):
@@ -78,7 +99,7 @@ def sweep_config(name: str, copy_bw: float) -> list[dict]:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=None)
-    p.add_argument("--configs", default="dsv3,qwen3,gptoss")
+    p.add_argument("--configs", default="dsv3,mixtral,gptoss")
     a = p.parse_args()
     if not torch.cuda.is_available():
         print("sweep_permute: needs CUDA, skipped")

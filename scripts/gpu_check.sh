@@ -12,6 +12,12 @@ unset TRITON_INTERPRET
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
 } 2>&1 | tee "$OUT/env.txt"
+# torchao for the interop tests: the GPU machine has no network, so carry a wheel
+# (pip download --no-deps "torchao>=0.18,<0.19" -d wheels/; run with carry=["wheels"]).
+if ls wheels/torchao-*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-deps --no-index --target /tmp/qmoe_ao wheels/torchao-*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/qmoe_ao" && echo "torchao from wheels/" | tee -a "$OUT/env.txt"
+fi
 K=${1:-}
 export QMOE_GPU_CHECK=1
 python3 -m pytest tests -q -p no:cacheprovider -rfE --tb=short ${K:+-k "$K"} 2>&1 | tee "$OUT/tests.log" | grep -E "^(FAILED|ERROR)|passed|failed" | tail -40
