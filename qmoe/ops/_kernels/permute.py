@@ -89,6 +89,18 @@ def zero_rows_kernel(
 
 
 @triton.jit
+def _checked_row(slot_ptr, N_IN, hmask, bad, BLOCK_H: tl.constexpr):
+    """A route's input row from the map, kept inside ``[0, N_IN)``: ``(row, load mask,
+    bad)``. An out-of-range row becomes row 0 with an empty mask (it adds zero), and sets
+    ``bad`` (the merge kernels' ``(1,)`` int32 problem flag)."""
+    d = tl.load(slot_ptr).to(tl.int64)
+    inr = (d >= 0) & (d < N_IN)
+    dv = tl.zeros((BLOCK_H,), dtype=tl.int64) + d
+    lmask = hmask & (dv >= 0) & (dv < N_IN)
+    return tl.where(inr, d, 0), lmask, bad | (~inr).to(tl.int32)
+
+
+@triton.jit
 def unpermute_gather_kernel(
     inp_ptr,  # (N, H) any float dtype, contiguous
     out_ptr,  # (T, H) output dtype, contiguous
@@ -112,11 +124,7 @@ def unpermute_gather_kernel(
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
     bad = tl.zeros((1,), dtype=tl.int32) + (n < 0).to(tl.int32)  # (1,): any problem seen
     for s in range(0, n):
-        d = tl.load(mrow + s).to(tl.int64)
-        inr = (d >= 0) & (d < N_IN)
-        bad = bad | (~inr).to(tl.int32)
-        dv = tl.zeros((BLOCK_H,), dtype=tl.int64) + d
-        lmask = hmask & (dv >= 0) & (dv < N_IN)
+        d, lmask, bad = _checked_row(mrow + s, N_IN, hmask, bad, BLOCK_H)
         x = tl.load(inp_ptr + d * H + cols, mask=lmask, other=0.0).to(tl.float32)
         if HAS_W:
             c = tl.load(mrow + S + s)
@@ -211,12 +219,7 @@ def unpermute_fp8_kernel(
     if LAYOUT == 0:
         st = tl.load(s_ptr)
     for s in range(0, n):
-        d = tl.load(mrow + s).to(tl.int64)
-        inr = (d >= 0) & (d < N_IN)
-        bad = bad | (~inr).to(tl.int32)
-        dv = tl.zeros((BLOCK_H,), dtype=tl.int64) + d
-        lmask = hmask & (dv >= 0) & (dv < N_IN)
-        d = tl.where(inr, d, 0)  # row 0 stands in (masked out below): never out of bounds
+        d, lmask, bad = _checked_row(mrow + s, N_IN, hmask, bad, BLOCK_H)
         b = tl.load(q_ptr + d * H + cols, mask=lmask, other=0)
         v = fp8_bits_to_fp32(b, MB, BIAS, HW_CAST)
         if LAYOUT == 0:
