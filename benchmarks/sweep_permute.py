@@ -56,8 +56,9 @@ def sweep_config(name: str, copy_bw: float) -> list[dict]:
 
                 def scatter8(bh=bh, nw=nw, kb=kb):
                     permute_scatter_kernel[(t, triton.cdiv(h, bh))](
-                        xb, outb, rid, xb, written, xb, written, h, s, xb.stride(0), 0, 0,
-                        HAS_W=False, HAS_P=False, KB=kb, BLOCK_H=bh, num_warps=nw)
+                        xb, outb, rid, xb, written, xb, written, xb, written, h, s, 0,
+                        xb.stride(0), 0, 0, 0, HAS_W=False, HAS_P=False, HAS_SIDE=False,
+                        KB=kb, BLOCK_H=bh, BLOCK_S=1, num_warps=nw)
 
                 ms = graph_median_ms(scatter8)
                 pct = 100 * fbytes / (ms * 1e-3) / 1e9 / copy_bw
@@ -73,8 +74,9 @@ def sweep_config(name: str, copy_bw: float) -> list[dict]:
 
                 def scatter(bh=bh, nw=nw, kb=kb):
                     permute_scatter_kernel[(t, triton.cdiv(h, bh))](
-                        x, out, rid, x, written, x, written, h, s, x.stride(0), 0, 0,
-                        HAS_W=False, HAS_P=False, KB=kb, BLOCK_H=bh, num_warps=nw)
+                        x, out, rid, x, written, x, written, x, written, h, s, 0,
+                        x.stride(0), 0, 0, 0, HAS_W=False, HAS_P=False, HAS_SIDE=False,
+                        KB=kb, BLOCK_H=bh, BLOCK_S=1, num_warps=nw)
 
                 ms = graph_median_ms(scatter)
                 pct = 100 * nbytes / (ms * 1e-3) / 1e9 / copy_bw

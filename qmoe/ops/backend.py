@@ -37,13 +37,16 @@ def permute_rows(
     *,
     probs: torch.Tensor | None = None,
     probs_out: torch.Tensor | None = None,
+    side: torch.Tensor | None = None,
+    side_out: torch.Tensor | None = None,
     use_triton: bool | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``out [N, H]``: each token's row (times ``weights[t, col]`` if given) at its rows;
     rows no route writes are zero. ``x`` ``[T, H]``, ``weights`` ``[T, P]`` float.
     With ``probs`` ``[T, P]``, also fills ``probs_out`` ``[N]`` (probs' dtype) with each
-    route's ``probs[t, col]`` at its row, zero elsewhere, in the same pass."""
+    route's ``probs[t, col]`` at its row, zero elsewhere, in the same pass; with ``side``
+    ``[T, NS]`` (block scales of quantized rows), fills ``side_out`` ``[N, NS]`` alike."""
     t, h = x.shape
     use_triton = x.is_cuda if use_triton is None else use_triton
     if not use_triton:
@@ -55,6 +58,8 @@ def permute_rows(
         out[row] = val
         if probs is not None:
             probs_out.zero_()[row] = probs[tok, col]
+        if side is not None:
+            side_out.zero_()[row] = side[tok]
         return out
     from qmoe.ops._kernels.permute import permute_scatter_kernel, zero_rows_kernel
 
@@ -69,15 +74,23 @@ def permute_rows(
     has_p = probs is not None
     p = probs if has_p else written
     pp = probs_out if has_p else written
+    has_s = side is not None
+    if has_s and side.stride(1) != 1:
+        side = side.contiguous()
+    sd, so = (side, side_out) if has_s else (written, written)
+    ns = side.shape[1] if has_s else 0
+    bs = triton.next_power_of_2(max(ns, 1))
     if t > 0:
         w = weights if weights is not None else x
         permute_scatter_kernel[(t, triton.cdiv(max(h, 1), bh))](
-            x, out, rid, w, written, p, pp, h, num_slots(rid), x.stride(0), w.stride(0),
-            p.stride(0) if has_p else 0,
-            HAS_W=weights is not None, HAS_P=has_p, KB=4, BLOCK_H=bh, num_warps=8,
+            x, out, rid, w, written, p, pp, sd, so, h, num_slots(rid), ns, x.stride(0),
+            w.stride(0), p.stride(0) if has_p else 0, side.stride(0) if has_s else 0,
+            HAS_W=weights is not None, HAS_P=has_p, HAS_SIDE=has_s, KB=4, BLOCK_H=bh,
+            BLOCK_S=bs, num_warps=8,
         )
     zero_rows_kernel[(triton.cdiv(n, 64),)](
-        out, written, pp, n, h, HAS_P=has_p, BLOCK_R=64, BLOCK_H=min(bh, 64), num_warps=4
+        out, written, pp, so, n, h, ns, HAS_P=has_p, HAS_SIDE=has_s, BLOCK_R=64,
+        BLOCK_H=min(bh, 64), BLOCK_S=bs, num_warps=4,
     )
     return out
 

@@ -25,6 +25,7 @@ from qmoe.ops.backend import (
     FP8_BLOCK_E8M0,
     FP8_BLOCK_FP32,
     FP8_PER_TENSOR,
+    permute_rows,
     unpermute_fp8_rows,
 )
 from qmoe.tensors.base import QuantizedTensor, register_passthrough
@@ -45,9 +46,39 @@ def _move_rows(q: QuantizedTensor, run):
     return q._rewrap(out.view(q.fp8_dtype), scale), pp
 
 
+@define(
+    "permute_with_scales(Tensor qbits, Tensor scale_rows, Tensor row_id_map, Tensor? probs, "
+    "SymInt num_out_tokens) -> (Tensor, Tensor, Tensor)"
+)
+def _permute_with_scales(qbits, scale_rows, row_id_map, probs, num_out_tokens):
+    """``(bits [N, H], scale rows [N, NB], permuted probs [N] or empty)``: quantized rows
+    and their block-scale rows moved together (one scatter pass on CUDA)."""
+    if qbits.is_cuda:
+        n = num_out_tokens
+        s_out = scale_rows.new_empty((n, scale_rows.shape[1]))
+        pp = probs.new_empty((n,)) if probs is not None else qbits.new_empty(0)
+        bits = permute_rows(qbits, row_id_map, n, probs=probs, probs_out=pp, side=scale_rows,
+                            side_out=s_out)
+        return bits, s_out, pp
+    bits, pp = ops.permute(qbits, row_id_map, probs, num_out_tokens)
+    s_out = ops.permute(scale_rows, row_id_map, None, num_out_tokens)[0]
+    return bits, s_out, pp if probs is not None else qbits.new_empty(0)
+
+
+@_permute_with_scales.register_fake
+def _(qbits, scale_rows, row_id_map, probs, num_out_tokens):
+    n = num_out_tokens
+    pp = probs.new_empty((n,)) if probs is not None else qbits.new_empty(0)
+    return (qbits.new_empty((n, qbits.shape[1])),
+            scale_rows.new_empty((n, scale_rows.shape[1])), pp)
+
+
 @register_passthrough(ops.permute.default)
 def _permute_q(func, args, kwargs):
     q, rid, probs, n = args
+    if q.block_size is not None and q.qdata.dim() == 2:
+        bits, scale, pp = ops.permute_with_scales(_bits(q), q.raw_scale, rid, probs, n)
+        return q._rewrap(bits.view(q.fp8_dtype), scale), pp
     return _move_rows(q, lambda t, with_probs: func(t, rid, probs if with_probs else None, n))
 
 

@@ -82,12 +82,11 @@ def quantize_permute_triton(x, rid, probs, n, block_size, fp8_dtype, scale_mode,
             BIAS=7 if e4m3 else 15, HW_CAST=x.is_cuda, HAS_P=has_p, BS=bs, GROUPS=groups,
             num_warps=4,
         )
-    grid = (triton.cdiv(n, 64),)
-    zero_rows_kernel[grid](q, written, pp if has_p else written, n, h, HAS_P=has_p,
-                           BLOCK_R=64, BLOCK_H=64, num_warps=4)
-    if not given:
-        zero_rows_kernel[grid](s_out, written, written, n, nb, HAS_P=False, BLOCK_R=64,
-                               BLOCK_H=16, num_warps=4)
+    zero_rows_kernel[(triton.cdiv(n, 64),)](
+        q, written, pp if has_p else written, written if given else s_out, n, h,
+        0 if given else nb, HAS_P=has_p, HAS_SIDE=not given, BLOCK_R=64, BLOCK_H=64,
+        BLOCK_S=triton.next_power_of_2(nb), num_warps=4,
+    )
     return q.view(fp8_dtype), s_out, pp
 
 

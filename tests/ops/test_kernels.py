@@ -42,13 +42,20 @@ def test_permute_unpermute_kernels(kdevice, t, h, e, k, kind, extra, map_type):
             got = B.permute_rows(x, rid, n, weights, use_triton=True,
                                  out=_poison((n, h), dtype, kdevice))
             assert_same_bits(got, B.permute_rows(x, rid, n, weights, use_triton=False))
-        # Permuted probs ride in the same pass (into a poisoned buffer).
-        pp = _poison((n,), w.dtype, kdevice)
-        got = B.permute_rows(x, rid, n, probs=w, probs_out=pp, use_triton=True)
-        pp_ref = torch.empty(n, dtype=w.dtype, device=kdevice)
-        want = B.permute_rows(x, rid, n, probs=w, probs_out=pp_ref, use_triton=False)
-        assert_same_bits(got, want)
-        assert_same_bits(pp, pp_ref)
+        # Permuted probs and side rows (block scales) ride in the same pass (into poison).
+        side = torch.randn(t, 5, device=kdevice)
+        for sd in (side, side.view(torch.uint8)[:, :7]):
+            pp = _poison((n,), w.dtype, kdevice)
+            so = torch.full((n, sd.shape[1]), 0xFF, device=kdevice).to(sd.dtype)
+            got = B.permute_rows(x, rid, n, probs=w, probs_out=pp, side=sd, side_out=so,
+                                 use_triton=True)
+            pp_ref = torch.empty(n, dtype=w.dtype, device=kdevice)
+            so_ref = torch.empty_like(so)
+            want = B.permute_rows(x, rid, n, probs=w, probs_out=pp_ref, side=sd,
+                                  side_out=so_ref, use_triton=False)
+            assert_same_bits(got, want)
+            assert_same_bits(pp, pp_ref)
+            assert_same_bits(so, so_ref)
         y = torch.randn(n, h, device=kdevice).to(dtype)
         got = B.unpermute_rows(y, rid, None, use_triton=True, out=_poison((t, h), dtype, kdevice))
         # The CPU torch path adds in row order, as the kernel does (CUDA's index_add_ does not).

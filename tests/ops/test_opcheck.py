@@ -41,6 +41,11 @@ def _cases():
             fargs = (_bits(q), q.raw_scale, rid_m, probs.detach(), _layout(q), q.block_size or 0,
                      q.fp8_dtype, torch.bfloat16)
             yield f"unpermute_fp8_{name}-{t}", ops.unpermute_fp8.default, fargs
+            if q.block_size is not None:
+                xq = qmoe.quantize(x.detach(), RECIPES[name])
+                for pr in (None, probs.detach()):
+                    yield (f"permute_with_scales_{name}-{pr is None}-{t}",
+                           ops.permute_with_scales.default, (_bits(xq), xq.raw_scale, rid_m, pr, n))
         sizes = torch.tensor([t // 2, 0, t - t // 2], device=DEV)
         order = torch.tensor([2, 0, 1], device=DEV)
         p1 = torch.rand(t, device=DEV, requires_grad=True)

@@ -24,18 +24,25 @@ def permute_scatter_kernel(
     written_ptr,  # (N,) int8, zero-initialized: set to 1 for every row written
     p_ptr,  # (T, P) float probs, row stride stride_p (read only if HAS_P)
     pp_ptr,  # (N,) probs dtype out: the permuted probs (written only if HAS_P)
+    side_ptr,  # (T, NS) side rows moved with the data, e.g. block scales (if HAS_SIDE)
+    side_out_ptr,  # (N, NS) side rows out, contiguous (written only if HAS_SIDE)
     H,
     S,
+    NS,
     stride_in,
     stride_w,
     stride_p,
+    stride_side,
     HAS_W: tl.constexpr,
     HAS_P: tl.constexpr,
+    HAS_SIDE: tl.constexpr,
     KB: tl.constexpr,  # routes written per step (their rows are loaded together)
     BLOCK_H: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # >= NS when HAS_SIDE
 ):
     """Read token t's row once; write it (times its weight, if HAS_W) to each of its rows,
-    and (if HAS_P) its probs to the same rows of ``pp``."""
+    and (if HAS_P) its probs, (if HAS_SIDE) its side row, to the same rows of ``pp`` and
+    ``side_out``."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = cols < H
@@ -59,6 +66,13 @@ def permute_scatter_kernel(
                 pc = tl.load(mrow + S + sl, mask=smask, other=0)
                 pv = tl.load(p_ptr + t * stride_p + pc, mask=smask, other=0.0)
                 tl.store(pp_ptr + d, pv, mask=smask)
+            if HAS_SIDE:
+                sc = tl.arange(0, BLOCK_S)
+                scm = sc < NS
+                sv = tl.load(side_ptr + t * stride_side + sc, mask=scm)
+                tl.store(side_out_ptr + d[:, None] * NS + sc[None, :],
+                         tl.broadcast_to(sv[None, :], (KB, BLOCK_S)),
+                         mask=smask[:, None] & scm[None, :])
 
 
 @triton.jit
@@ -66,11 +80,15 @@ def zero_rows_kernel(
     out_ptr,  # (N, H), contiguous
     written_ptr,  # (N,) int8: 1 where some token wrote the row
     pp_ptr,  # (N,) permuted probs (zeroed alike only if HAS_P)
+    side_ptr,  # (N, NS) side rows (zeroed alike only if HAS_SIDE)
     N,
     H,
+    NS,
     HAS_P: tl.constexpr,
+    HAS_SIDE: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
     """Zero the rows nothing was written to (padding, and rows past the routed count).
     A block of rows that are all written costs one small load."""
@@ -81,6 +99,11 @@ def zero_rows_kernel(
     if tl.max(todo.to(tl.int32), axis=0) > 0:
         if HAS_P:
             tl.store(pp_ptr + rows, tl.zeros((BLOCK_R,), dtype=pp_ptr.dtype.element_ty), mask=todo)
+        if HAS_SIDE:
+            sc = tl.arange(0, BLOCK_S)
+            tl.store(side_ptr + rows.to(tl.int64)[:, None] * NS + sc[None, :],
+                     tl.zeros((BLOCK_R, BLOCK_S), dtype=side_ptr.dtype.element_ty),
+                     mask=todo[:, None] & (sc < NS)[None, :])
         zero = tl.zeros((BLOCK_R, BLOCK_H), dtype=out_ptr.dtype.element_ty)
         for h0 in range(0, H, BLOCK_H):
             cols = h0 + tl.arange(0, BLOCK_H)
