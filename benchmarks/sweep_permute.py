@@ -44,57 +44,42 @@ def sweep_config(name: str, copy_bw: float) -> list[dict]:
     ms = graph_median_ms(lambda: torch.ops.qmoe.make_row_id_map(mask, n, False, 1))
     rows.append({"config": name, "kernel": "make_row_id_map(mask)", "ms": round(ms, 4)})
     print(name, "make_row_id_map(mask)", f"{ms:.4f} ms", file=sys.stderr)
+    def record(kernel, fn, nbytes, **tile):
+        ms = graph_median_ms(fn)
+        pct = 100 * nbytes / (ms * 1e-3) / 1e9 / copy_bw
+        rows.append({"config": name, "kernel": kernel, **tile, "ms": round(ms, 4),
+                     "pct_copy_bw": round(pct, 1)})
+        print(name, kernel, tile, f"{ms:.4f} ms {pct:.1f}%", file=sys.stderr)
+
+    def scatter(src, dst, bh, nw, kb):
+        permute_scatter_kernel[(t, triton.cdiv(h, bh))](
+            src, dst, rid, src, written, src, written, src, written, h, s, 0, src.stride(0),
+            0, 0, 0, HAS_W=False, HAS_P=False, HAS_SIDE=False, KB=kb, BLOCK_H=bh, BLOCK_S=1,
+            num_warps=nw)
+
+    def gather(bh, nw):
+        unpermute_gather_kernel[(t, triton.cdiv(h, bh))](
+            y, back, rid, y, ok, h, s, n, 0, HAS_W=False, BLOCK_H=bh, num_warps=nw)
+
     # fp8 rows move as uint8 (1 byte per element): the same kernel on a [T, H] uint8 input.
     xb = x.view(torch.uint8)[:, :h].contiguous()
     outb = torch.empty(n, h, dtype=torch.uint8, device="cuda")
+    ok = torch.ones(1, dtype=torch.int32, device="cuda")
     fbytes = (t + n) * h + rid.numel() * 4
-    for bh in (1024, 2048, 4096, 8192):
-        for nw in (4, 8, 16):
-            for kb in (1, 2, 4):
-                if kb * bh > 16384:
-                    continue
-
-                def scatter8(bh=bh, nw=nw, kb=kb):
-                    permute_scatter_kernel[(t, triton.cdiv(h, bh))](
-                        xb, outb, rid, xb, written, xb, written, xb, written, h, s, 0,
-                        xb.stride(0), 0, 0, 0, HAS_W=False, HAS_P=False, HAS_SIDE=False,
-                        KB=kb, BLOCK_H=bh, BLOCK_S=1, num_warps=nw)
-
-                ms = graph_median_ms(scatter8)
-                pct = 100 * fbytes / (ms * 1e-3) / 1e9 / copy_bw
-                rows.append({"config": name, "kernel": "permute_scatter_uint8", "BLOCK_H": bh,
-                             "num_warps": nw, "KB": kb, "ms": round(ms, 4),
-                             "pct_copy_bw": round(pct, 1)})
-                print(name, "scatter-u8", bh, nw, kb, f"{ms:.4f} ms {pct:.1f}%", file=sys.stderr)
+    for src, dst, kernel, nb, bhs in ((xb, outb, "permute_scatter_uint8", fbytes,
+                                       (1024, 2048, 4096, 8192)),
+                                      (x, out, "permute_scatter", nbytes,
+                                       (512, 1024, 2048, 4096))):
+        for bh in bhs:
+            for nw in (4, 8, 16):
+                for kb in (1, 2, 4, 8):
+                    if kb * bh <= 16384:
+                        record(kernel, lambda src=src, dst=dst, bh=bh, nw=nw, kb=kb: scatter(
+                            src, dst, bh, nw, kb), nb, BLOCK_H=bh, num_warps=nw, KB=kb)
     for bh in (512, 1024, 2048, 4096):
         for nw in (4, 8, 16):
-            for kb in (1, 2, 4, 8):
-                if kb * bh > 16384:
-                    continue
-
-                def scatter(bh=bh, nw=nw, kb=kb):
-                    permute_scatter_kernel[(t, triton.cdiv(h, bh))](
-                        x, out, rid, x, written, x, written, x, written, h, s, 0,
-                        x.stride(0), 0, 0, 0, HAS_W=False, HAS_P=False, HAS_SIDE=False,
-                        KB=kb, BLOCK_H=bh, BLOCK_S=1, num_warps=nw)
-
-                ms = graph_median_ms(scatter)
-                pct = 100 * nbytes / (ms * 1e-3) / 1e9 / copy_bw
-                rows.append({"config": name, "kernel": "permute_scatter", "BLOCK_H": bh,
-                             "num_warps": nw, "KB": kb, "ms": round(ms, 4),
-                             "pct_copy_bw": round(pct, 1)})
-                print(name, "scatter", bh, nw, kb, f"{ms:.4f} ms {pct:.1f}%", file=sys.stderr)
-            if bh <= 4096:
-                def gather(bh=bh, nw=nw):
-                    unpermute_gather_kernel[(t, triton.cdiv(h, bh))](
-                        y, back, rid, y, h, s, 0, HAS_W=False, BLOCK_H=bh, num_warps=nw)
-
-                ms = graph_median_ms(gather)
-                pct = 100 * nbytes / (ms * 1e-3) / 1e9 / copy_bw
-                rows.append({"config": name, "kernel": "unpermute_gather", "BLOCK_H": bh,
-                             "num_warps": nw, "ms": round(ms, 4),
-                             "pct_copy_bw": round(pct, 1)})
-                print(name, "gather", bh, nw, f"{ms:.4f} ms {pct:.1f}%", file=sys.stderr)
+            record("unpermute_gather", lambda bh=bh, nw=nw: gather(bh, nw), nbytes,
+                   BLOCK_H=bh, num_warps=nw)
     return rows
 
 
