@@ -124,6 +124,14 @@ def _checked_row(slot_ptr, N_IN, hmask, bad, BLOCK_H: tl.constexpr):
 
 
 @triton.jit
+def _weighted_add(acc, x, w_row_ptr, col_ptr, bad):
+    """``acc + x * w`` with the route's weight ``w_row_ptr[*col_ptr]`` (fp32); a NaN
+    weight sets ``bad``."""
+    wt = tl.load(w_row_ptr + tl.load(col_ptr)).to(tl.float32)
+    return acc + x * wt, bad | (wt != wt).to(tl.int32)
+
+
+@triton.jit
 def unpermute_gather_kernel(
     inp_ptr,  # (N, H) any float dtype, contiguous
     out_ptr,  # (T, H) output dtype, contiguous
@@ -150,10 +158,7 @@ def unpermute_gather_kernel(
         d, lmask, bad = _checked_row(mrow + s, N_IN, hmask, bad, BLOCK_H)
         x = tl.load(inp_ptr + d * H + cols, mask=lmask, other=0.0).to(tl.float32)
         if HAS_W:
-            c = tl.load(mrow + S + s)
-            wt = tl.load(w_ptr + t * stride_w + c).to(tl.float32)
-            bad = bad | (wt != wt).to(tl.int32)
-            acc += x * wt
+            acc, bad = _weighted_add(acc, x, w_ptr + t * stride_w, mrow + S + s, bad)
         else:
             acc += x
     tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=hmask)
@@ -259,9 +264,7 @@ def unpermute_fp8_kernel(
                 sc = tl.where(sb == 255, nan, sc)
             x = v * sc
         if HAS_W:
-            wt = tl.load(w_ptr + t * stride_w + tl.load(mrow + S + s)).to(tl.float32)
-            bad = bad | (wt != wt).to(tl.int32)
-            acc += x * wt
+            acc, bad = _weighted_add(acc, x, w_ptr + t * stride_w, mrow + S + s, bad)
         else:
             acc += x
     tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=hmask)
