@@ -1,8 +1,11 @@
-"""qmoe.distributed over Gloo on this machine (loopback only, bounded timeouts).
+"""qmoe.distributed over Gloo on this machine (loopback only, bounded timeouts), and over
+NCCL with one process per GPU where the machine has two or more.
 
 Each world (2 and 4 processes) runs every case in one spawn: every rank builds all ranks'
-inputs from a shared seed, so it can check what it receives bit for bit and compare its
-merged output and gradients with the single-process computation of its own tokens.
+inputs from a shared seed (on the CPU), so it can check what it receives bit for bit and
+compare its merged output and gradients with the single-process CPU computation of its own
+tokens. On GPUs the merges contract multiply-adds to FMAs, hence the fp32-rounding
+tolerances below (rtol 1e-6 on outputs and x gradients), the same on either backend.
 """
 
 from __future__ import annotations
@@ -117,16 +120,17 @@ def _bits(t):
     return t, None
 
 
-def _run_case(rank, world, seed, name, kind, cap):
+def _run_case(rank, world, seed, name, kind, cap, dev="cpu"):
     data = _inputs(seed, world, kind)
     x, mask, probs = data[rank]
     shared = torch.tensor(0.01)
-    xg = x.clone().requires_grad_()
-    pg = probs.clone().requires_grad_()
-    inp = _quantize(xg, name, shared)
+    xg = x.to(dev, copy=True).requires_grad_()
+    pg = probs.to(dev, copy=True).requires_grad_()
+    inp = _quantize(xg, name, shared.to(dev))
     d = TokenDispatcher(L, capacity=cap)
-    expert_in, tpe = d.dispatch(inp, pg, mask)
+    expert_in, tpe = d.dispatch(inp, pg, mask.to(dev))
     assert type(expert_in) is type(inp)
+    expert_in_dev, expert_in = expert_in, expert_in.cpu() if dev != "cpu" else expert_in
     # Data movement: bit-exact against the reference permutation of every sender's rows.
     want = _expected_rows(data, rank, world, name, shared, cap)
     got_n = sum(int(w.shape[0]) for w in want)
@@ -143,7 +147,8 @@ def _run_case(rank, world, seed, name, kind, cap):
         pad, _ = _bits(expert_in[got_n:])
         assert not pad.any(), "padding rows must be zero"
     # Experts, combine, gradients.
-    rows = expert_in.dequantize() if isinstance(expert_in, qmoe.QuantizedTensor) else expert_in
+    ei = expert_in_dev
+    rows = ei.dequantize() if isinstance(ei, qmoe.QuantizedTensor) else ei
     ys, start = [], 0
     for l_, c in enumerate(tpe.tolist()):
         ys.append(_expert(rows[start : start + c], rank * L + l_))
@@ -151,28 +156,33 @@ def _run_case(rank, world, seed, name, kind, cap):
     ys.append(rows[start:].float())  # capacity padding, never read back
     y = d.combine(torch.cat(ys))
     gy = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed + rank))
-    (y * gy).sum().backward()
+    (y * gy.to(dev)).sum().backward()
+    y, xgrad, pgrad = y.detach().cpu(), xg.grad.cpu(), pg.grad.cpu()
 
     xr = x.clone().requires_grad_()
     pr = probs.clone().requires_grad_()
     yr = _single_process(xr, _kept(mask, world, cap), pr, name, shared)
     (yr * gy).sum().backward()
     torch.testing.assert_close(y, yr, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(xg.grad, xr.grad, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(pg.grad, pr.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(xgrad, xr.grad, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(pgrad, pr.grad, rtol=1e-5, atol=1e-5)
 
 
-def _worker(rank, world, port, seed, cases):
+def _worker(rank, world, port, seed, cases, backend="gloo"):
+    dev = "cpu"
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        dev = f"cuda:{rank}"
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
         timeout=datetime.timedelta(seconds=120),
     )
     try:
         for case in cases:
-            _run_case(rank, world, seed, *case)
+            _run_case(rank, world, seed, *case, dev=dev)
         # The function API as well as the module, and a different-scales per-tensor case.
         data = _inputs(seed, world, "random")
-        x, mask, probs = data[rank]
+        x, mask, probs = (t.to(dev) for t in data[rank])
         q = qmoe.quantize(x * (rank + 1), qmoe.PerTensor())  # per-rank scales differ
         expert_in, tpe, h = dispatch(q, probs, mask, L)
         assert type(expert_in) is qmoe.Float8Tensor
@@ -204,3 +214,19 @@ def test_dispatch_combine_matches_single_process(world):
         cases = [(n, k, c) for n in RECIPES for k in ("random", "all_to_last_rank")
                  for c in (None, 4)]
     mp.spawn(_worker, args=(world, _free_port(), seed, cases), nprocs=world, join=True)
+
+
+NCCL_WORLDS = [w for w in (2, 4) if torch.cuda.device_count() >= w]
+
+
+@pytest.mark.skipif(not NCCL_WORLDS, reason="needs 2 or more GPUs (NCCL)")
+@pytest.mark.parametrize("world", NCCL_WORLDS or [2])
+def test_dispatch_combine_over_nccl(world):
+    # NVLink multicast stays off (device README): the host's GPUs are shared.
+    for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                 ("NVSHMEM_DISABLE_NVLS", "1")):
+        os.environ[k] = v
+    seed = int(os.environ.get("QMOE_SEED", int.from_bytes(os.urandom(4), "little")))
+    print(f"[qmoe] nccl seed={seed}")
+    cases = [(n, k, c) for n in RECIPES for k in KINDS for c in (None, 9)]
+    mp.spawn(_worker, args=(world, _free_port(), seed, cases, "nccl"), nprocs=world, join=True)
