@@ -15,7 +15,8 @@ unset TRITON_INTERPRET
 # torchao for the interop tests: the GPU machine has no network, so carry a wheel
 # (pip download --no-deps "torchao>=0.18,<0.19" -d wheels/; run with carry=["wheels"]).
 if ls wheels/torchao-*.whl > /dev/null 2>&1; then
-  python3 -m pip install -q --no-deps --no-index --target /tmp/qmoe_ao wheels/torchao-*.whl \
+  # a wheel is a zip: unpacking it needs no pip (its compiled parts come along)
+  python3 -m zipfile -e wheels/torchao-*.whl /tmp/qmoe_ao \
     && export PYTHONPATH="$PYTHONPATH:/tmp/qmoe_ao" && echo "torchao from wheels/" | tee -a "$OUT/env.txt"
 fi
 K=${1:-}
