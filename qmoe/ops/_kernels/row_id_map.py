@@ -18,6 +18,17 @@ import triton.language as tl
 
 
 @triton.jit
+def _routed_tile(mask_ptr, blk, T, E, stride_t, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Block ``blk``'s ``[BLOCK_T, BLOCK_E]`` tile of the mask: ``(rows, cols, in-bounds,
+    routed as int32 0/1)``."""
+    rows = blk * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_E)
+    inb = (rows < T)[:, None] & (cols < E)[None, :]
+    m = tl.load(mask_ptr + rows.to(tl.int64)[:, None] * stride_t + cols[None, :], mask=inb, other=0)
+    return rows, cols, inb, ((m != 0) & inb).to(tl.int32)
+
+
+@triton.jit
 def mask_block_counts_kernel(
     mask_ptr,  # (T, E) uint8 / int32 / int64, nonzero = routed, row stride stride_t
     counts_ptr,  # (NBLK, E) int32 out
@@ -28,12 +39,8 @@ def mask_block_counts_kernel(
     BLOCK_E: tl.constexpr,
 ):
     blk = tl.program_id(0)
-    rows = blk * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.arange(0, BLOCK_E)
-    inb = (rows < T)[:, None] & (cols < E)[None, :]
-    m = tl.load(mask_ptr + rows.to(tl.int64)[:, None] * stride_t + cols[None, :], mask=inb, other=0)
-    c = tl.sum((m != 0).to(tl.int32), axis=0)
-    tl.store(counts_ptr + blk.to(tl.int64) * E + cols, c, mask=cols < E)
+    rows, cols, inb, mi = _routed_tile(mask_ptr, blk, T, E, stride_t, BLOCK_T, BLOCK_E)
+    tl.store(counts_ptr + blk.to(tl.int64) * E + cols, tl.sum(mi, axis=0), mask=cols < E)
 
 
 @triton.jit
@@ -73,17 +80,13 @@ def mask_row_id_map_kernel(
     BLOCK_E: tl.constexpr,
 ):
     blk = tl.program_id(0)
-    rows = blk * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.arange(0, BLOCK_E)
+    rows, cols, inb, mi = _routed_tile(mask_ptr, blk, T, E, stride_t, BLOCK_T, BLOCK_E)
     cmask = cols < E
     rmask = rows < T
-    inb = rmask[:, None] & cmask[None, :]
     total = tl.load(total_ptr + cols, mask=cmask, other=0)
     padded = (total + (A - 1)) // A * A
     start = tl.cumsum(padded, axis=0) - padded
     before = tl.load(before_ptr + blk.to(tl.int64) * E + cols, mask=cmask, other=0)
-    m = tl.load(mask_ptr + rows.to(tl.int64)[:, None] * stride_t + cols[None, :], mask=inb, other=0)
-    mi = ((m != 0) & inb).to(tl.int32)
     rank = tl.cumsum(mi, axis=0) - mi  # earlier tokens of this block on the same expert
     dst = (start + before)[None, :] + rank
     keep = (mi != 0) & (dst < N)
