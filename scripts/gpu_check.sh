@@ -21,7 +21,7 @@ if ls wheels/torchao-*.whl > /dev/null 2>&1; then
 fi
 K=${1:-}
 export QMOE_GPU_CHECK=1
-python3 -m pytest tests -q -p no:cacheprovider -rfE --tb=short ${K:+-k "$K"} 2>&1 | tee "$OUT/tests.log" | grep -E "^(FAILED|ERROR)|passed|failed" | tail -40
+python3 -m pytest tests -q -p no:cacheprovider -rfE --tb=short --durations=25 ${K:+-k "$K"} 2>&1 | tee "$OUT/tests.log" | grep -E "^(FAILED|ERROR)|passed|failed" | tail -40
 echo "pytest rc=${PIPESTATUS[0]}" | tee -a "$OUT/tests.log"
 # QMOE_BENCHES="permute quantize sweep_permute" picks scripts (bench_<name>.py or <name>.py;
 # default: bench_permute and bench_quantize)
