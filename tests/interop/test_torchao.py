@@ -66,6 +66,7 @@ def check_moved(out, src, mask, n, align=1, chunks=None):
     assert type(out) is type(src)
     d_out, s_out, rows = _parts(out)
     d_src, s_src, _ = _parts(src)
+    ones = torch.ones(mask.shape[0], 1, device=mask.device)
     u8 = lambda t: t.view(torch.uint8) if t.element_size() == 1 else t  # noqa: E731
     if chunks is None:
         want = R.permute(u8(d_src), mask, "mask", n, align_size=align)[0]
@@ -74,7 +75,7 @@ def check_moved(out, src, mask, n, align=1, chunks=None):
     assert_same_bits(u8(d_out), want)
     if rows:
         if chunks is None:
-            kept = R.permute(torch.ones(mask.shape[0], 1), mask, "mask", n, align_size=align)[0]
+            kept = R.permute(ones, mask, "mask", n, align_size=align)[0]
             kept = kept[:, 0] == 1
             ws = R.permute(u8(s_src), mask, "mask", n, align_size=align)[0]
             assert_same_bits(u8(s_out)[kept], ws[kept])
@@ -85,26 +86,33 @@ def check_moved(out, src, mask, n, align=1, chunks=None):
     d = deq(out)
     assert torch.isfinite(d).all()
     if chunks is None:  # rows no route fills dequantize to exact zeros
-        filled = R.permute(torch.ones(mask.shape[0], 1), mask, "mask", n, align_size=align)[0]
+        filled = R.permute(ones, mask, "mask", n, align_size=align)[0]
         assert (d[filled[:, 0] == 0] == 0).all()
 
 
+_NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+DEVICES = ["cpu", pytest.param("cuda", marks=_NEEDS_CUDA)]
+
+
+@pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_every_op_moves_torchao_rows_bit_exactly(name):
+def test_every_op_moves_torchao_rows_bit_exactly(name, dev):
+    """On CUDA the rows move through qmoe's Triton kernels (torchao quantizes there too)."""
     t, h, e, k = 37, 96, 6, 2
-    x = torch.randn(t, h, dtype=torch.bfloat16) * 3
+    x = torch.randn(t, h, dtype=torch.bfloat16, device=dev) * 3
     src = LAYOUTS[name](x)
-    ids, mask = routing(t, e, k, "sentinels")
-    probs = torch.rand(t, e)
+    ids, mask = routing(t, e, k, "sentinels", dev)
+    probs = torch.rand(t, e, device=dev)
     routed = int(mask.sum())
     for n in (routed, routed - 9, routed + 4):
         out, pp, rid = qmoe.moe_permute_with_probs(src, probs, mask, n)
+        assert _parts(out)[0].device == x.device
         check_moved(out, src, mask, n)
         assert_same_bits(pp, R.permute(x, mask, "mask", n, probs)[1])
         oi, _ = qmoe.moe_permute(src, ids, n, map_type="index")
         assert_same_bits(_parts(oi)[0].view(torch.uint8), _parts(out)[0].view(torch.uint8))
         # the merge dequantizes (torchao's convention) and sums in fp32
-        w = torch.rand(t, e)
+        w = torch.rand(t, e, device=dev)
         y = qmoe.moe_unpermute(out, rid, w)
         assert y.dtype == src.dtype and y.shape == (t, h)
         ref = R.unpermute(deq64(out), mask, "mask", w, n)
@@ -114,8 +122,9 @@ def test_every_op_moves_torchao_rows_bit_exactly(name):
     out, pp, rid, _, target = qmoe.moe_permute_and_pad_with_probs(src, probs, mask, None, 16)
     check_moved(out, src, mask, None, align=16)
     sizes, order = [5, 0, 20, 12], [2, 0, 3, 1]
-    sc, _ = qmoe.moe_sort_chunks_by_index_with_probs(src, torch.rand(t), torch.tensor(sizes),
-                                                     torch.tensor(order))
+    sc, _ = qmoe.moe_sort_chunks_by_index_with_probs(
+        src, torch.rand(t, device=dev), torch.tensor(sizes, device=dev),
+        torch.tensor(order, device=dev))
     check_moved(sc, src, mask, None, chunks=(sizes, order))
 
 
@@ -173,13 +182,14 @@ def test_conversion_errors():
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("name", ["mx-e4m3", "train-rowwise"])
-def test_torchao_tensors_under_compile(name):
+@pytest.mark.parametrize("name,dev", [("mx-e4m3", "cpu"), ("train-rowwise", "cpu"),
+                                      pytest.param("mx-e4m3", "cuda", marks=_NEEDS_CUDA)])
+def test_torchao_tensors_under_compile(name, dev):
     """fullgraph=True, inductor: same class out, bit-identical to eager."""
     t, h, e, k = 48, 64, 8, 2
-    src = LAYOUTS[name](torch.randn(t, h, dtype=torch.bfloat16))
-    _, mask = routing(t, e, k)
-    probs = torch.rand(t, e)
+    src = LAYOUTS[name](torch.randn(t, h, dtype=torch.bfloat16, device=dev))
+    _, mask = routing(t, e, k, "random", dev)
+    probs = torch.rand(t, e, device=dev)
 
     def f(src, probs):
         out, pp, rid, _, _ = qmoe.moe_permute_and_pad_with_probs(
@@ -216,7 +226,7 @@ def _moe_mxfp8(x, probs, mask, w, e):
 
 def _reference(x, probs, mask, w):
     """bf16 inputs, fp32 math: per route probs[t, e] * x[t] @ w[e].T, summed."""
-    ref = torch.zeros(x.shape[0], w.shape[1])
+    ref = torch.zeros(x.shape[0], w.shape[1], device=x.device)
     for ee in range(w.shape[0]):
         rows = mask[:, ee]
         ref = ref.index_add(0, rows.nonzero()[:, 0],
@@ -244,15 +254,30 @@ def test_torchtitan_style_mxfp8_grouped_mm_pipeline():
     assert_same_bits(step(x, probs, w), z)
 
 
-@pytest.mark.xfail(raises=TypeError, strict=True, reason="torchao 0.18 on CPU: the MXTensor-"
-                   "input backward calls triton_mxfp8_dequant_dim0(scale_block_size=...), which "
-                   "its CPU stub does not take; drop this mark when torchao fixes it")
-def test_mxfp8_grouped_mm_backward_with_mxtensor_input():
+_AO_BWD_BUG = pytest.mark.xfail(
+    raises=(TypeError, ValueError), strict=True,
+    reason="torchao 0.18, CPU tensors: the MXTensor-input backward calls "
+    "triton_mxfp8_dequant_dim0(scale_block_size=...), which its CPU stub does not take "
+    "(TypeError); where CUDA exists it launches the Triton kernel on the CPU tensors "
+    "(ValueError). Drop this mark when torchao fixes it")
+
+
+@pytest.mark.parametrize("dev", [pytest.param("cpu", marks=_AO_BWD_BUG), *DEVICES[1:]])
+def test_mxfp8_grouped_mm_backward_with_mxtensor_input(dev):
+    """The weight gradient through qmoe's permute -> torchao's MXFP8 grouped mm -> qmoe's
+    merge, against the fp32 reference's."""
+    from tests.tensors.helpers import sqnr_db
+
     t, h, n, e = 64, 64, 96, 4
-    ids, mask = routing(t, e, 2)
-    w = (torch.randn(e, n, h) / h**0.5).to(torch.bfloat16).requires_grad_()
-    z = _moe_mxfp8(torch.randn(t, h, dtype=torch.bfloat16), torch.rand(t, e), mask, w, e)
-    z.backward(torch.randn_like(z))
+    ids, mask = routing(t, e, 2, "random", dev)
+    x = torch.randn(t, h, dtype=torch.bfloat16, device=dev)
+    probs = torch.rand(t, e, device=dev)
+    w = (torch.randn(e, n, h, device=dev) / h**0.5).to(torch.bfloat16).requires_grad_()
+    g = torch.randn(t, n, device=dev)
+    _moe_mxfp8(x, probs, mask, w, e).backward(g.to(torch.bfloat16))
+    w32 = w.detach().float().requires_grad_()
+    _reference(x, probs, mask, w32).backward(g)
+    assert sqnr_db(w32.grad, w.grad.float()) > 20  # wgrad_with_hp: bf16 grads, MXFP8 fwd
 
 
 def test_example_runs():

@@ -4,6 +4,10 @@ CUDA, or CPU under TRITON_INTERPRET=1 (there in fp32 only: the interpreter's fp3
 bf16/fp16 casts truncate instead of rounding to nearest even).
 """
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -152,31 +156,52 @@ def test_unpermute_fp8_kernel_dequantizes_in_place(kdevice, recipe, h):
             assert (err <= (k + 2) * 2.0**-24 * mag).all(), float((err / mag).nan_to_num().max())
 
 
-@pytest.mark.parametrize("fp8", [False, True])
-def test_merge_kernels_refuse_rows_past_inp_and_nan_weights(kdevice, fp8):
-    """The merge kernels never read past inp: a map pointing beyond it (inp cut short),
-    or a NaN among the weights they use, trips their device-side check."""
+def _merge_case(dev, fp8, bad):
+    """A merge given rows cut short (``bad='rows'``), NaN weights (``'nan'``) or valid
+    inputs (``None``)."""
     import qmoe
     from qmoe.ops.fp8 import _bits, _layout
 
     t, e, k, h = 20, 8, 2, 64
-    _, mask = routing(t, e, k, "random", kdevice)
+    _, mask = routing(t, e, k, "random", dev)
     n = int(mask.sum())
     rid = make_row_id_map(mask, n, False, 1)
-    w = torch.rand(t, e, device=kdevice)
-    x = torch.randn(n, h, device=kdevice)
+    w = torch.rand(t, e, device=dev)
+    x = torch.randn(n, h, device=dev)
+    if bad == "rows":
+        x = x[: n - 3]
+    elif bad == "nan":
+        w = w.index_fill(1, torch.tensor([3], device=dev), float("nan"))
+    if not fp8:
+        return B.unpermute_rows(x, rid, w, use_triton=True)
+    q = qmoe.quantize(x, qmoe.MXFP8())
+    return B.unpermute_fp8_rows(_bits(q), q.raw_scale, _layout(q), 32, q.fp8_dtype, rid,
+                                w, torch.float32, use_triton=True)
 
-    def merge(rows, weights):
-        if not fp8:
-            return B.unpermute_rows(rows, rid, weights, use_triton=True)
-        q = qmoe.quantize(rows, qmoe.MXFP8())
-        return B.unpermute_fp8_rows(_bits(q), q.raw_scale, _layout(q), 32, q.fp8_dtype, rid,
-                                    weights, torch.float32, use_triton=True)
 
-    merge(x, w)  # fine as given
-    for rows, weights in ((x[: n - 3], w), (x, w.index_fill(1, torch.tensor([3], device=kdevice),
-                                                            float("nan")))):
-        with pytest.raises(RuntimeError, match="row_id_map points past the rows of inp"):
-            merge(rows, weights)
-            if kdevice == "cuda":
-                torch.cuda.synchronize()
+_CHILD = """
+import sys, torch
+from tests.ops.test_kernels import _merge_case
+_merge_case("cuda", sys.argv[1] == "1", sys.argv[2])
+torch.cuda.synchronize()
+print("no error")
+"""
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_merge_kernels_refuse_rows_past_inp_and_nan_weights(kdevice, fp8):
+    """The merge kernels never read past inp: a map pointing beyond it (inp cut short),
+    or a NaN among the weights they use, trips their device-side check. On CUDA that is
+    a device assert, which ends the CUDA context: each bad case runs in a child process."""
+    msg = "row_id_map points past the rows of inp"
+    _merge_case(kdevice, fp8, None)  # fine as given
+    for bad in ("rows", "nan"):
+        if kdevice == "cpu":
+            with pytest.raises(RuntimeError, match=msg):
+                _merge_case(kdevice, fp8, bad)
+            continue
+        r = subprocess.run([sys.executable, "-c", _CHILD, str(int(fp8)), bad],
+                           capture_output=True, text=True, timeout=300,
+                           cwd=Path(__file__).parents[2])
+        assert r.returncode != 0 and "no error" not in r.stdout, (bad, r.stdout, r.stderr[-2000:])
+        assert msg in r.stderr, (bad, r.stderr[-4000:])
