@@ -40,9 +40,9 @@ def median_ms(fn, *, warmup: int = 5, iters: int = 50) -> float:
     return ts[len(ts) // 2]
 
 
-def graph_median_ms(fn) -> float | None:
-    """Median time of ``fn`` replayed from a CUDA graph: the GPU time without the Python
-    and launch overhead of eager calls. ``None`` on CPU."""
+def graph_median_ms(fn, rep: int = 200) -> float | None:
+    """Median time of ``fn`` replayed from a CUDA graph (``rep`` ms of replays): the GPU
+    time without the Python and launch overhead of eager calls. ``None`` on CPU."""
     if not torch.cuda.is_available():
         return None
     import triton.testing
@@ -56,7 +56,7 @@ def graph_median_ms(fn) -> float | None:
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
-    return float(triton.testing.do_bench(g.replay, warmup=25, rep=200, return_mode="median"))
+    return float(triton.testing.do_bench(g.replay, warmup=10, rep=rep, return_mode="median"))
 
 
 def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:

@@ -1,4 +1,5 @@
-"""Sweep the permute-scatter and unpermute-gather tilings on the GPU (CUDA-graph medians).
+"""Sweep the permute-scatter, unpermute-gather and fused quantize-permute tilings
+(CUDA-graph medians on the GPU).
 
     python benchmarks/sweep_permute.py [--out sweep.json] [--configs dsv3,qwen3]
 
@@ -23,7 +24,9 @@ import qmoe  # noqa: E402
 from qmoe.ops._kernels.permute import (  # noqa: E402
     permute_scatter_kernel,
     unpermute_gather_kernel,
+    zero_rows_kernel,
 )
+from qmoe.ops.quantize_permute import quantize_permute_triton  # noqa: E402
 from qmoe.ops.row_id_map import num_slots  # noqa: E402
 
 
@@ -45,7 +48,7 @@ def sweep_config(name: str, copy_bw: float) -> list[dict]:
     rows.append({"config": name, "kernel": "make_row_id_map(mask)", "ms": round(ms, 4)})
     print(name, "make_row_id_map(mask)", f"{ms:.4f} ms", file=sys.stderr)
     def record(kernel, fn, nbytes, **tile):
-        ms = graph_median_ms(fn)
+        ms = graph_median_ms(fn, rep=60)
         pct = 100 * nbytes / (ms * 1e-3) / 1e9 / copy_bw
         rows.append({"config": name, "kernel": kernel, **tile, "ms": round(ms, 4),
                      "pct_copy_bw": round(pct, 1)})
@@ -53,9 +56,9 @@ def sweep_config(name: str, copy_bw: float) -> list[dict]:
 
     def scatter(src, dst, bh, nw, kb):
         permute_scatter_kernel[(t, triton.cdiv(h, bh))](
-            src, dst, rid, src, written, src, written, src, written, h, s, 0, src.stride(0),
-            0, 0, 0, HAS_W=False, HAS_P=False, HAS_SIDE=False, KB=kb, BLOCK_H=bh, BLOCK_S=1,
-            num_warps=nw)
+            src, dst, rid, src, written, src, written, src, written, n, h, s, 0,
+            src.stride(0), 0, 0, 0, HAS_W=False, HAS_P=False, HAS_SIDE=False, KB=kb,
+            BLOCK_H=bh, BLOCK_S=1, num_warps=nw)
 
     def gather(bh, nw):
         unpermute_gather_kernel[(t, triton.cdiv(h, bh))](
@@ -67,26 +70,40 @@ def sweep_config(name: str, copy_bw: float) -> list[dict]:
     ok = torch.ones(1, dtype=torch.int32, device="cuda")
     fbytes = (t + n) * h + rid.numel() * 4
     for src, dst, kernel, nb, bhs in ((xb, outb, "permute_scatter_uint8", fbytes,
-                                       (1024, 2048, 4096, 8192)),
+                                       (2048, 4096, 8192, 16384)),
                                       (x, out, "permute_scatter", nbytes,
-                                       (512, 1024, 2048, 4096))):
+                                       (1024, 2048, 4096, 8192))):
         for bh in bhs:
-            for nw in (4, 8, 16):
-                for kb in (1, 2, 4, 8):
-                    if kb * bh <= 16384:
-                        record(kernel, lambda src=src, dst=dst, bh=bh, nw=nw, kb=kb: scatter(
-                            src, dst, bh, nw, kb), nb, BLOCK_H=bh, num_warps=nw, KB=kb)
-    for bh in (512, 1024, 2048, 4096):
-        for nw in (4, 8, 16):
+            for nw in (2, 4, 8):
+                for kb in (4, 8):
+                    record(kernel, lambda src=src, dst=dst, bh=bh, nw=nw, kb=kb: scatter(
+                        src, dst, bh, nw, kb), nb, BLOCK_H=bh, num_warps=nw, KB=kb)
+    for bh in (1024, 2048, 4096):
+        for nw in (4, 8):
             record("unpermute_gather", lambda bh=bh, nw=nw: gather(bh, nw), nbytes,
                    BLOCK_H=bh, num_warps=nw)
+    # the passes around the scatter: the written-flags memset and the zero-rows pass
+    record("zeros(N) int8", lambda: torch.zeros(n, dtype=torch.int8, device="cuda"), n)
+    record("zero_rows", lambda: zero_rows_kernel[(triton.cdiv(n, 64),)](
+        out, written.fill_(1), written, written, n, h, 0, HAS_P=False, HAS_SIDE=False,
+        BLOCK_R=64, BLOCK_H=64, BLOCK_S=1, num_warps=4), n)
+    # the fused quantize-and-permute (MXFP8: read bf16 once, write fp8 + e8m0 scales)
+    qbytes = t * h * 2 + n * h + n * triton.cdiv(h, 32) + rid.numel() * 4
+    for tile in (1024, 2048, 4096):
+        for nw in (4, 8):
+            for kb in (4, 8):
+                record("quantize_permute_mxfp8", lambda tile=tile, nw=nw, kb=kb:
+                       quantize_permute_triton(x, rid, None, n, 32, torch.float8_e4m3fn,
+                                               "mx_floor", None, tile=tile, kb=kb,
+                                               num_warps=nw), qbytes,
+                       tile=tile, num_warps=nw, KB=kb)
     return rows
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=None)
-    p.add_argument("--configs", default="dsv3,mixtral,gptoss")
+    p.add_argument("--configs", default="dsv3,mixtral,gptoss,qwen3")
     a = p.parse_args()
     if not torch.cuda.is_available():
         print("sweep_permute: needs CUDA, skipped")

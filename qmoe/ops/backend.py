@@ -20,6 +20,15 @@ def _block_h(h: int) -> int:
     return max(16, min(1024, triton.next_power_of_2(max(h, 1))))
 
 
+def scatter_tile(h: int, itemsize: int, weighted: bool) -> tuple[int, int, int]:
+    """``(BLOCK_H, num_warps, KB)`` of the scatter kernel: about 8 KiB of a row per program
+    (16-byte accesses, several in flight per thread); weighted rows (fp32 math) take
+    half that. From ``benchmarks/sweep_permute.py`` on the H200."""
+    cap = (4096 if weighted else 8192) // itemsize
+    bh = max(16, min(cap, triton.next_power_of_2(max(h, 1))))
+    return bh, 4, 4
+
+
 def _routes(rid: torch.Tensor):
     """(token, row, probs column) of every kept route, token-major then row order."""
     s = num_slots(rid)
@@ -69,7 +78,7 @@ def permute_rows(
         return out
     if x.stride(1) != 1:
         x = x.contiguous()
-    bh = _block_h(h)
+    bh, nw, kb = scatter_tile(h, x.element_size(), weights is not None)
     written = torch.zeros(n, dtype=torch.int8, device=x.device)
     has_p = probs is not None
     p = probs if has_p else written
@@ -83,10 +92,10 @@ def permute_rows(
     if t > 0:
         w = weights if weights is not None else x
         permute_scatter_kernel[(t, triton.cdiv(max(h, 1), bh))](
-            x, out, rid, w, written, p, pp, sd, so, h, num_slots(rid), ns, x.stride(0),
+            x, out, rid, w, written, p, pp, sd, so, n, h, num_slots(rid), ns, x.stride(0),
             w.stride(0), p.stride(0) if has_p else 0, side.stride(0) if has_s else 0,
-            HAS_W=weights is not None, HAS_P=has_p, HAS_SIDE=has_s, KB=4, BLOCK_H=bh,
-            BLOCK_S=bs, num_warps=8,
+            HAS_W=weights is not None, HAS_P=has_p, HAS_SIDE=has_s, KB=kb, BLOCK_H=bh,
+            BLOCK_S=bs, num_warps=nw,
         )
     zero_rows_kernel[(triton.cdiv(n, 64),)](
         out, written, pp, so, n, h, ns, HAS_P=has_p, HAS_SIDE=has_s, BLOCK_R=64,

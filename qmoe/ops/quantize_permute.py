@@ -47,8 +47,11 @@ def _two_step(x, rid, probs, n, block_size, fp8_dtype, scale_mode, scale):
     return bits.view(fp8_dtype), s_out, pp if probs is not None else x.new_empty(0)
 
 
-def quantize_permute_triton(x, rid, probs, n, block_size, fp8_dtype, scale_mode, scale):
-    """The fused kernel (CUDA, or CPU under TRITON_INTERPRET=1); outputs as the op's."""
+def quantize_permute_triton(x, rid, probs, n, block_size, fp8_dtype, scale_mode, scale, *,
+                            tile=2048, kb=4, num_warps=4):
+    """The fused kernel (CUDA, or CPU under TRITON_INTERPRET=1); outputs as the op's.
+    ``tile`` (row elements per program), ``kb`` and ``num_warps`` set the kernel's tiling
+    (``benchmarks/sweep_permute.py`` sweeps them)."""
     from qmoe.ops._kernels.permute import zero_rows_kernel
     from qmoe.ops._kernels.quantize_permute import quantize_permute_kernel
 
@@ -71,16 +74,16 @@ def quantize_permute_triton(x, rid, probs, n, block_size, fp8_dtype, scale_mode,
     if x.stride(1) != 1:
         x = x.contiguous()
     written = torch.zeros(n, dtype=torch.int8, device=x.device)
-    groups = max(1, min(2048 // bs, triton.next_power_of_2(nb)))
+    groups = max(1, min(tile // bs, triton.next_power_of_2(nb)))
     e4m3 = fp8_dtype == torch.float8_e4m3fn
     if t > 0:
         quantize_permute_kernel[(t, triton.cdiv(nb, groups))](
             x, q, s_out, rid, probs if has_p else x, pp if has_p else written, written,
-            h, nb, num_slots(rid), x.stride(0), probs.stride(0) if has_p else 0,
+            n, h, nb, num_slots(rid), x.stride(0), probs.stride(0) if has_p else 0,
             FP8_MAX=fp8_max(fp8_dtype), EMAX_ELEM=_emax_elem(fp8_dtype), EPS=EPS,
             SCALE_MODE=3 if given else SCALE_MODES[scale_mode], MB=3 if e4m3 else 2,
             BIAS=7 if e4m3 else 15, HW_CAST=x.is_cuda, HAS_P=has_p, BS=bs, GROUPS=groups,
-            num_warps=4,
+            KB=kb, num_warps=num_warps,
         )
     zero_rows_kernel[(triton.cdiv(n, 64),)](
         q, written, pp if has_p else written, written if given else s_out, n, h,

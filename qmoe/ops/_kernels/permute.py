@@ -26,6 +26,7 @@ def permute_scatter_kernel(
     pp_ptr,  # (N,) probs dtype out: the permuted probs (written only if HAS_P)
     side_ptr,  # (T, NS) side rows moved with the data, e.g. block scales (if HAS_SIDE)
     side_out_ptr,  # (N, NS) side rows out, contiguous (written only if HAS_SIDE)
+    N,
     H,
     S,
     NS,
@@ -47,12 +48,18 @@ def permute_scatter_kernel(
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = cols < H
     mrow = map_ptr + t * (2 * S + 1)
+    # The count, the row and the first KB slots load together: the first stores wait for
+    # one memory round trip, not two (most tokens have <= KB routes).
     n = tl.load(mrow + 2 * S)
     x = tl.load(inp_ptr + t * stride_in + cols, mask=hmask)
+    d0 = tl.load(mrow + tl.arange(0, KB), mask=tl.arange(0, KB) < S, other=-1)
     for s0 in range(0, n, KB):
         sl = s0 + tl.arange(0, KB)
-        smask = sl < n
-        d = tl.load(mrow + sl, mask=smask, other=0).to(tl.int64)
+        if s0 == 0:
+            d = d0.to(tl.int64)
+        else:
+            d = tl.load(mrow + sl, mask=sl < n, other=-1).to(tl.int64)
+        smask = (sl < n) & (d >= 0) & (d < N)  # a row outside [0, N) is never written
         if HAS_W:
             c = tl.load(mrow + S + sl, mask=smask, other=0)
             w = tl.load(w_ptr + t * stride_w + c, mask=smask, other=0.0).to(tl.float32)

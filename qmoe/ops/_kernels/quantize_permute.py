@@ -24,6 +24,7 @@ def quantize_permute_kernel(
     p_ptr,  # (T, P) float probs, row stride stride_p (read only if HAS_P)
     pp_ptr,  # (N,) probs dtype out: permuted probs (written only if HAS_P)
     written_ptr,  # (N,) int8, zero-initialized: 1 for every row written
+    N,
     H,
     NB,
     S,
@@ -39,6 +40,7 @@ def quantize_permute_kernel(
     HAS_P: tl.constexpr,
     BS: tl.constexpr,
     GROUPS: tl.constexpr,
+    KB: tl.constexpr,  # routes stored per step
 ):
     t = tl.program_id(0).to(tl.int64)
     pid_g = tl.program_id(1)
@@ -48,17 +50,26 @@ def quantize_permute_kernel(
     x = tl.load(x_ptr + t * stride_x + cols[None, :, :], mask=mask, other=0.0)
     q, stored = quantize_tile(x.to(tl.float32), s_ptr, FP8_MAX, EMAX_ELEM, EPS, SCALE_MODE,
                               MB, BIAS, HW_CAST)
-    smask = (blocks < NB)[None, :]
+    smask = (blocks < NB)[None, :]  # (1, GROUPS)
     mrow = map_ptr + t * (2 * S + 1)
+    sl0 = tl.arange(0, KB)
+    d0 = tl.load(mrow + sl0, mask=sl0 < S, other=-1)  # loads with the row, not after it
     n = tl.load(mrow + 2 * S)
-    one = tl.arange(0, 1)
-    for s in range(0, n):
-        d = tl.load(mrow + s).to(tl.int64)
-        tl.store(q_ptr + d * H + cols[None, :, :], q, mask=mask)
+    for s0 in range(0, n, KB):  # KB routes per step, stored together
+        sl = s0 + sl0
+        if s0 == 0:
+            d = d0
+        else:
+            d = tl.load(mrow + sl, mask=sl < n, other=-1)
+        keep = (sl < n) & (d >= 0) & (d < N)  # a row outside [0, N) is never written
+        d64 = d.to(tl.int64)
+        tl.store(q_ptr + d64[:, None, None] * H + cols[None, :, :],
+                 tl.broadcast_to(q, (KB, GROUPS, BS)), mask=keep[:, None, None] & mask)
         if SCALE_MODE != 3:
-            tl.store(s_ptr + d * NB + blocks[None, :], stored, mask=smask)
+            tl.store(s_ptr + d64[:, None] * NB + blocks[None, :],
+                     tl.broadcast_to(stored, (KB, GROUPS)), mask=keep[:, None] & smask)
         if pid_g == 0:
-            tl.store(written_ptr + d + one, tl.full((1,), 1, dtype=tl.int8))
+            tl.store(written_ptr + d64, tl.full((KB,), 1, dtype=tl.int8), mask=keep)
             if HAS_P:
-                c = tl.load(mrow + S + s + one)
-                tl.store(pp_ptr + d + one, tl.load(p_ptr + t * stride_p + c))
+                c = tl.load(mrow + S + sl, mask=keep, other=0)
+                tl.store(pp_ptr + d64, tl.load(p_ptr + t * stride_p + c, mask=keep), mask=keep)
