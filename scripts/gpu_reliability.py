@@ -155,7 +155,8 @@ def determinism() -> dict:
 
 
 def sanitize() -> dict:
-    """Every op once, small awkward shapes, dropping and padding; FP8 layouts too."""
+    """Every op once, small awkward shapes, dropping and padding; FP8 layouts and the fused
+    quantize-and-permute too."""
     count = 0
     for t, h, e, k in ((1, 17, 4, 2), (63, 130, 8, 3), (257, 256, 32, 4)):
         ids, mask = routing(t, e, k)
@@ -176,6 +177,11 @@ def sanitize() -> dict:
                 qmoe.moe_unpermute(oi, ri, probs.gather(1, ids.clamp(min=0)), map_type="index")
                 if recipe is None:
                     y.sum().backward()
+                else:  # the fused quantize-and-permute kernel, plain and padded
+                    qmoe.moe_permute_with_probs(x.detach(), probs, mask, n, quantize=recipe)
+                    qmoe.moe_permute_and_pad_with_probs(x.detach(), probs, mask, None, 16,
+                                                        num_out_tokens=n + e * 16,
+                                                        quantize=recipe)
                 po, pp2, prid, _, _ = qmoe.moe_permute_and_pad_with_probs(
                     inp, probs, mask, None, 16, num_out_tokens=n + e * 16)
                 qmoe.moe_unpermute(po, prid, probs)

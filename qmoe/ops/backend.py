@@ -21,12 +21,19 @@ def _block_h(h: int) -> int:
 
 
 def scatter_tile(h: int, itemsize: int, weighted: bool) -> tuple[int, int, int]:
-    """``(BLOCK_H, num_warps, KB)`` of the scatter kernel: about 8 KiB of a row per program
-    (16-byte accesses, several in flight per thread); weighted rows (fp32 math) take
-    half that. From ``benchmarks/sweep_permute.py`` on the H200."""
-    cap = (4096 if weighted else 8192) // itemsize
+    """``(BLOCK_H, num_warps, KB)`` of the scatter kernel: up to 16 KiB of a row per
+    program (2 KiB of fp32 math when weighted). Picked from ``benchmarks/sweep_permute.py``
+    on the H200 (dsv3, qwen3, mixtral, gptoss: within 1-2% of each config's best)."""
+    cap = 2048 if weighted else 16384 // itemsize
     bh = max(16, min(cap, triton.next_power_of_2(max(h, 1))))
-    return bh, 4, 4
+    nw = min(8 if itemsize > 1 else 4, max(1, bh * itemsize // 512))
+    return bh, nw, 4 if weighted or itemsize == 1 else 8
+
+
+def gather_tile(h: int) -> tuple[int, int]:
+    """``(BLOCK_H, num_warps)`` of the merge kernels (same sweep: 4096 columns, 8 warps)."""
+    bh = max(16, min(4096, triton.next_power_of_2(max(h, 1))))
+    return bh, max(1, min(8, bh // 512))
 
 
 def _routes(rid: torch.Tensor):
@@ -134,12 +141,12 @@ def unpermute_rows(
     if t == 0 or h == 0:
         return out
     x = x.contiguous()
-    bh = _block_h(h)
+    bh, nw = gather_tile(h)
     w = weights if weights is not None else x
     ok = torch.ones(1, dtype=torch.int32, device=x.device)
     unpermute_gather_kernel[(t, triton.cdiv(h, bh))](
         x, out, rid, w, ok, h, num_slots(rid), x.shape[0], w.stride(0),
-        HAS_W=weights is not None, BLOCK_H=bh, num_warps=4,
+        HAS_W=weights is not None, BLOCK_H=bh, num_warps=nw,
     )
     _assert_ok(ok)
     return out
@@ -201,10 +208,11 @@ def gather_rows(
         return out
     if x.stride(1) != 1:
         x = x.contiguous()
-    bh = _block_h(h)
-    br = max(1, 4096 // bh)
+    # about 16 KiB per program, as the scatter kernel (scatter_tile)
+    bh = max(16, min(16384 // x.element_size(), triton.next_power_of_2(h)))
+    br = max(1, 16384 // (bh * x.element_size()))
     gather_rows_kernel[(triton.cdiv(r, br), triton.cdiv(h, bh))](
-        x, out, src, r, h, x.stride(0), BLOCK_R=br, BLOCK_H=bh, num_warps=4
+        x, out, src, r, h, x.stride(0), BLOCK_R=br, BLOCK_H=bh, num_warps=8
     )
     return out
 
@@ -245,7 +253,7 @@ def unpermute_fp8_rows(
     out = torch.empty(t, h, dtype=out_dtype, device=qbits.device)
     if t == 0 or h == 0:
         return out
-    bh = _block_h(h)
+    bh, nw = gather_tile(h)
     w = weights if weights is not None else scale
     e4m3 = fp8_dtype == torch.float8_e4m3fn
     ok = torch.ones(1, dtype=torch.int32, device=qbits.device)
@@ -253,7 +261,7 @@ def unpermute_fp8_rows(
         qbits.contiguous(), scale.contiguous(), out, rid, w, ok, h, num_slots(rid),
         qbits.shape[0], scale.shape[-1] if scale.dim() else 1, w.stride(0) if w.dim() else 0,
         LAYOUT=layout, BS=max(block_size, 1), MB=3 if e4m3 else 2, BIAS=7 if e4m3 else 15,
-        HW_CAST=qbits.is_cuda, HAS_W=weights is not None, BLOCK_H=bh, num_warps=4,
+        HW_CAST=qbits.is_cuda, HAS_W=weights is not None, BLOCK_H=bh, num_warps=nw,
     )
     _assert_ok(ok)
     return out

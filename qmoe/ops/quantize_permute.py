@@ -48,7 +48,7 @@ def _two_step(x, rid, probs, n, block_size, fp8_dtype, scale_mode, scale):
 
 
 def quantize_permute_triton(x, rid, probs, n, block_size, fp8_dtype, scale_mode, scale, *,
-                            tile=2048, kb=4, num_warps=4):
+                            tile=None, kb=4, num_warps=4):
     """The fused kernel (CUDA, or CPU under TRITON_INTERPRET=1); outputs as the op's.
     ``tile`` (row elements per program), ``kb`` and ``num_warps`` set the kernel's tiling
     (``benchmarks/sweep_permute.py`` sweeps them)."""
@@ -74,6 +74,8 @@ def quantize_permute_triton(x, rid, probs, n, block_size, fp8_dtype, scale_mode,
     if x.stride(1) != 1:
         x = x.contiguous()
     written = torch.zeros(n, dtype=torch.int8, device=x.device)
+    if tile is None:  # row elements per program (sweep_permute.py: 4096 at H >= 4096)
+        tile = 4096 if h >= 4096 else 1024
     groups = max(1, min(tile // bs, triton.next_power_of_2(nb)))
     e4m3 = fp8_dtype == torch.float8_e4m3fn
     if t > 0:

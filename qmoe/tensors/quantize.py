@@ -95,7 +95,9 @@ def per_tensor_scale(x: torch.Tensor, recipe: PerTensor) -> torch.Tensor:
         amax = x.new_zeros((), dtype=torch.float32)
     else:  # one read of x, no |x| temporary; NaN propagates
         amax = torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32)
-    s = amax.clamp(min=EPS) / fp8_max(recipe.fp8_dtype)
+    # Divided by a tensor, not a Python number: CUDA divides by a scalar as a multiply by
+    # its reciprocal (1 ulp off the CPU's correctly rounded quotient at times).
+    s = amax.clamp(min=EPS) / torch.full_like(amax, fp8_max(recipe.fp8_dtype))
     return _canonical_nan(_pow2_ceil(s) if recipe.power_of_two_scale else s)
 
 

@@ -78,12 +78,12 @@ def check_moved(out, src, mask, n, align=1, chunks=None):
             kept = R.permute(ones, mask, "mask", n, align_size=align)[0]
             kept = kept[:, 0] == 1
             ws = R.permute(u8(s_src), mask, "mask", n, align_size=align)[0]
-            assert_same_bits(u8(s_out)[kept], ws[kept])
+            assert_same_bits(u8(s_out).cpu()[kept], ws[kept])
         else:
             assert_same_bits(u8(s_out), R.sort_chunks(u8(s_src), *chunks)[0])
     else:
         assert_same_bits(s_out, s_src)
-    d = deq(out)
+    d = deq(out).cpu()
     assert torch.isfinite(d).all()
     if chunks is None:  # rows no route fills dequantize to exact zeros
         filled = R.permute(ones, mask, "mask", n, align_size=align)[0]
@@ -118,7 +118,7 @@ def test_every_op_moves_torchao_rows_bit_exactly(name, dev):
         ref = R.unpermute(deq64(out), mask, "mask", w, n)
         mag = R.unpermute(deq64(out).abs(), mask, "mask", w, n)
         # fp32 dequantize and accumulation, then one bf16 rounding (half an ulp <= 2**-8)
-        assert ((y.double() - ref).abs() <= 2**-8 * ref.abs() + 2**-20 * mag).all()
+        assert ((y.double().cpu() - ref).abs() <= 2**-8 * ref.abs() + 2**-20 * mag).all()
     out, pp, rid, _, target = qmoe.moe_permute_and_pad_with_probs(src, probs, mask, None, 16)
     check_moved(out, src, mask, None, align=16)
     sizes, order = [5, 0, 20, 12], [2, 0, 3, 1]

@@ -25,6 +25,8 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 def assert_same_bits(a: torch.Tensor, b: torch.Tensor) -> None:
     assert a.dtype == b.dtype, (a.dtype, b.dtype)
     assert a.shape == b.shape, (a.shape, b.shape)
+    if a.device != b.device:  # e.g. CUDA output against a CPU reference: same bytes
+        a, b = a.cpu(), b.cpu()
     ba, bb = bits(a), bits(b)
     if not torch.equal(ba, bb):
         bad = (ba != bb).nonzero().flatten()
