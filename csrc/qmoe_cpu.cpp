@@ -281,6 +281,51 @@ __attribute__((target_clones("avx2", "default"))) void widen_bf16(const uint16_t
   for (int64_t j = 0; j < h; ++j) o[j] = static_cast<uint32_t>(b[j]) << 16;
 }
 
+// bf16 rows fused into the sum: widen (exact: a bf16 is the top half of an fp32), then the
+// same separate multiply and add, in one pass over the row.
+__attribute__((target_clones("avx2", "default"))) void accumulate_bf16_scaled(
+    float* acc, const uint16_t* r, float w, int64_t h) {
+  for (int64_t j = 0; j < h; ++j) {
+    const uint32_t u = static_cast<uint32_t>(r[j]) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    const float p = f * w;
+    acc[j] += p;
+  }
+}
+
+__attribute__((target_clones("avx2", "default"))) void accumulate_bf16(float* acc,
+                                                                       const uint16_t* r,
+                                                                       int64_t h) {
+  for (int64_t j = 0; j < h; ++j) {
+    const uint32_t u = static_cast<uint32_t>(r[j]) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    acc[j] += f;
+  }
+}
+
+// fp32 -> bf16 bits, round to nearest even, NaN -> 0x7FC0: c10::BFloat16's conversion,
+// written as an integer loop the compiler vectorizes.
+__attribute__((target_clones("avx2", "default"))) void narrow_bf16(const uint32_t* a,
+                                                                   uint16_t* o, int64_t h) {
+  for (int64_t j = 0; j < h; ++j) {
+    const uint32_t u = a[j];
+    const bool nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
+    o[j] = nan ? static_cast<uint16_t>(0x7FC0)
+               : static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  }
+}
+
+template <typename out_t>
+void store_row(const float* acc, out_t* o, int64_t h) {
+  if constexpr (std::is_same_v<out_t, c10::BFloat16>) {
+    narrow_bf16(reinterpret_cast<const uint32_t*>(acc), reinterpret_cast<uint16_t*>(o), h);
+  } else {
+    for (int64_t j = 0; j < h; ++j) o[j] = static_cast<out_t>(acc[j]);
+  }
+}
+
 // Row -> fp32, written as plain integer/float loops so the compiler vectorizes them
 // (bf16 is the top half of an fp32; the conversions are exact).
 template <typename scalar_t>
@@ -294,9 +339,11 @@ void to_float_row(const scalar_t* r, float* v, int64_t h) {
 
 // acc[t] += float(row) (* weight), rows in map order. `row_to_float(d, buf)` writes row d
 // as fp32 into buf (H floats); the sums are separate multiply and add, as the torch path.
+// `bf16_rows` (non-null: the [N, H] bf16 input) sums those rows without the fp32 buffer.
 template <typename out_t, typename RowToFloat>
 Tensor merge(const Tensor& rid, int64_t h, int64_t nrows, const c10::optional<Tensor>& w,
-             at::TensorOptions opt, RowToFloat row_to_float) {
+             at::TensorOptions opt, RowToFloat row_to_float,
+             const uint16_t* bf16_rows = nullptr) {
   const int64_t t = rid.size(0);
   auto out = big_empty({t, h}, opt);
   out_t* o = out.data_ptr<out_t>();
@@ -312,6 +359,15 @@ Tensor merge(const Tensor& rid, int64_t h, int64_t nrows, const c10::optional<Te
       for (int32_t s = 0; s < cnt; ++s) {
         TORCH_CHECK(dst[s] >= 0 && dst[s] < nrows, "qmoe: row_id_map row ", dst[s],
                     " out of range for an input of ", nrows, " rows");
+        if (bf16_rows != nullptr) {
+          const uint16_t* r = bf16_rows + static_cast<int64_t>(dst[s]) * h;
+          if (w.has_value()) {
+            accumulate_bf16_scaled(acc.data(), r, weight_at(*w, i, col[s]), h);
+          } else {
+            accumulate_bf16(acc.data(), r, h);
+          }
+          continue;
+        }
         row_to_float(dst[s], v.data());
         if (w.has_value()) {
           accumulate_scaled(acc.data(), v.data(), weight_at(*w, i, col[s]), h);
@@ -319,8 +375,7 @@ Tensor merge(const Tensor& rid, int64_t h, int64_t nrows, const c10::optional<Te
           accumulate(acc.data(), v.data(), h);
         }
       }
-      out_t* oi = o + i * h;
-      for (int64_t j = 0; j < h; ++j) oi[j] = static_cast<out_t>(acc[j]);
+      store_row(acc.data(), o + i * h, h);
     }
   });
   return out;
@@ -343,9 +398,11 @@ Tensor unpermute(const Tensor& inp, const Tensor& rid, const c10::optional<Tenso
   Tensor out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "unpermute", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
+    const uint16_t* bf = std::is_same_v<scalar_t, c10::BFloat16>
+                             ? reinterpret_cast<const uint16_t*>(xp) : nullptr;
     out = merge<scalar_t>(rid, h, nrows, w, x.options(), [&](int32_t d, float* v) {
       to_float_row(xp + d * h, v, h);
-    });
+    }, bf);
   });
   return out;
 }
