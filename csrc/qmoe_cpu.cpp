@@ -282,7 +282,7 @@ __attribute__((target_clones("avx2", "default"))) void widen_bf16(const uint16_t
 }
 
 // bf16 rows fused into the sum: widen (exact: a bf16 is the top half of an fp32), then the
-// same separate multiply and add, in one pass over the row.
+// same separate multiply and add, in one pass over the row (w = 1 without weights: exact).
 __attribute__((target_clones("avx2", "default"))) void accumulate_bf16_scaled(
     float* acc, const uint16_t* r, float w, int64_t h) {
   for (int64_t j = 0; j < h; ++j) {
@@ -291,17 +291,6 @@ __attribute__((target_clones("avx2", "default"))) void accumulate_bf16_scaled(
     std::memcpy(&f, &u, 4);
     const float p = f * w;
     acc[j] += p;
-  }
-}
-
-__attribute__((target_clones("avx2", "default"))) void accumulate_bf16(float* acc,
-                                                                       const uint16_t* r,
-                                                                       int64_t h) {
-  for (int64_t j = 0; j < h; ++j) {
-    const uint32_t u = static_cast<uint32_t>(r[j]) << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    acc[j] += f;
   }
 }
 
@@ -361,11 +350,8 @@ Tensor merge(const Tensor& rid, int64_t h, int64_t nrows, const c10::optional<Te
                     " out of range for an input of ", nrows, " rows");
         if (bf16_rows != nullptr) {
           const uint16_t* r = bf16_rows + static_cast<int64_t>(dst[s]) * h;
-          if (w.has_value()) {
-            accumulate_bf16_scaled(acc.data(), r, weight_at(*w, i, col[s]), h);
-          } else {
-            accumulate_bf16(acc.data(), r, h);
-          }
+          const float wt = w.has_value() ? weight_at(*w, i, col[s]) : 1.f;
+          accumulate_bf16_scaled(acc.data(), r, wt, h);
           continue;
         }
         row_to_float(dst[s], v.data());
