@@ -271,16 +271,6 @@ __attribute__((target_clones("avx2", "default"))) void accumulate_scaled(
   }
 }
 
-__attribute__((target_clones("avx2", "default"))) void accumulate(float* acc, const float* v,
-                                                                  int64_t h) {
-  for (int64_t j = 0; j < h; ++j) acc[j] += v[j];
-}
-
-__attribute__((target_clones("avx2", "default"))) void widen_bf16(const uint16_t* b, uint32_t* o,
-                                                                  int64_t h) {
-  for (int64_t j = 0; j < h; ++j) o[j] = static_cast<uint32_t>(b[j]) << 16;
-}
-
 // bf16 rows fused into the sum: widen (exact: a bf16 is the top half of an fp32), then the
 // same separate multiply and add, in one pass over the row (w = 1 without weights: exact).
 __attribute__((target_clones("avx2", "default"))) void accumulate_bf16_scaled(
@@ -315,24 +305,12 @@ void store_row(const float* acc, out_t* o, int64_t h) {
   }
 }
 
-// Row -> fp32, written as plain integer/float loops so the compiler vectorizes them
-// (bf16 is the top half of an fp32; the conversions are exact).
-template <typename scalar_t>
-void to_float_row(const scalar_t* r, float* v, int64_t h) {
-  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-    widen_bf16(reinterpret_cast<const uint16_t*>(r), reinterpret_cast<uint32_t*>(v), h);
-  } else {
-    for (int64_t j = 0; j < h; ++j) v[j] = static_cast<float>(r[j]);
-  }
-}
-
-// acc[t] += float(row) (* weight), rows in map order. `row_to_float(d, buf)` writes row d
-// as fp32 into buf (H floats); the sums are separate multiply and add, as the torch path.
-// `bf16_rows` (non-null: the [N, H] bf16 input) sums those rows without the fp32 buffer.
-template <typename out_t, typename RowToFloat>
+// acc[t] += float(row) * weight, rows in map order (weight 1 without merging probs: exact).
+// `add_row(d, acc, weight, scratch)` adds row d (scratch: H floats it may use); the sums are
+// separate multiply and add, as the torch path.
+template <typename out_t, typename AddRow>
 Tensor merge(const Tensor& rid, int64_t h, int64_t nrows, const c10::optional<Tensor>& w,
-             at::TensorOptions opt, RowToFloat row_to_float,
-             const uint16_t* bf16_rows = nullptr) {
+             at::TensorOptions opt, AddRow add_row) {
   const int64_t t = rid.size(0);
   auto out = big_empty({t, h}, opt);
   out_t* o = out.data_ptr<out_t>();
@@ -348,18 +326,7 @@ Tensor merge(const Tensor& rid, int64_t h, int64_t nrows, const c10::optional<Te
       for (int32_t s = 0; s < cnt; ++s) {
         TORCH_CHECK(dst[s] >= 0 && dst[s] < nrows, "qmoe: row_id_map row ", dst[s],
                     " out of range for an input of ", nrows, " rows");
-        if (bf16_rows != nullptr) {
-          const uint16_t* r = bf16_rows + static_cast<int64_t>(dst[s]) * h;
-          const float wt = w.has_value() ? weight_at(*w, i, col[s]) : 1.f;
-          accumulate_bf16_scaled(acc.data(), r, wt, h);
-          continue;
-        }
-        row_to_float(dst[s], v.data());
-        if (w.has_value()) {
-          accumulate_scaled(acc.data(), v.data(), weight_at(*w, i, col[s]), h);
-        } else {
-          accumulate(acc.data(), v.data(), h);
-        }
+        add_row(dst[s], acc.data(), w.has_value() ? weight_at(*w, i, col[s]) : 1.f, v.data());
       }
       store_row(acc.data(), o + i * h, h);
     }
@@ -384,11 +351,16 @@ Tensor unpermute(const Tensor& inp, const Tensor& rid, const c10::optional<Tenso
   Tensor out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "unpermute", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
-    const uint16_t* bf = std::is_same_v<scalar_t, c10::BFloat16>
-                             ? reinterpret_cast<const uint16_t*>(xp) : nullptr;
-    out = merge<scalar_t>(rid, h, nrows, w, x.options(), [&](int32_t d, float* v) {
-      to_float_row(xp + d * h, v, h);
-    }, bf);
+    out = merge<scalar_t>(rid, h, nrows, w, x.options(),
+                          [&](int32_t d, float* acc, float wt, float* v) {
+      const scalar_t* r = xp + d * h;
+      if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+        accumulate_bf16_scaled(acc, reinterpret_cast<const uint16_t*>(r), wt, h);
+      } else {
+        for (int64_t j = 0; j < h; ++j) v[j] = static_cast<float>(r[j]);
+        accumulate_scaled(acc, v, wt, h);
+      }
+    });
   });
   return out;
 }
@@ -432,7 +404,8 @@ Tensor unpermute_fp8(const Tensor& qbits, const Tensor& scale, const Tensor& rid
   const float s0 = layout == 0 ? sc.to(at::kFloat).data_ptr<float>()[0] : 0.f;
   Tensor out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out_dtype, "unpermute_fp8", [&] {
-    out = merge<scalar_t>(rid, h, nrows, w, q.options().dtype(out_dtype), [&](int32_t d, float* v) {
+    out = merge<scalar_t>(rid, h, nrows, w, q.options().dtype(out_dtype),
+                          [&](int32_t d, float* acc, float wt, float* v) {
       const uint8_t* r = qp + d * h;
       for (int64_t lo = 0; lo < h; lo += (layout == 0 ? h : block_size)) {
         const int64_t hi = layout == 0 ? h : std::min(h, lo + block_size);
@@ -441,6 +414,7 @@ Tensor unpermute_fp8(const Tensor& qbits, const Tensor& scale, const Tensor& rid
                                       : e8m0_value(sb[d * nb + lo / block_size]);
         for (int64_t j = lo; j < hi; ++j) v[j] = lut[r[j]] * s;
       }
+      accumulate_scaled(acc, v, wt, h);
     });
   });
   return out;
