@@ -46,7 +46,7 @@ def run_config(name: str, bw: float, iters: int) -> list[dict]:
     mask = torch.zeros(t, e, dtype=torch.bool).scatter_(1, ids, True)
     probs = torch.rand(t, e) * mask
     y = torch.randn(n, h).to(torch.bfloat16)
-    rid = torch.ops.qmoe.make_row_id_map(mask, n, False, 1)
+    rid, _ = torch.ops.qmoe.make_row_id_map(mask, n, False, 1)
     order = torch.argsort(ids.reshape(-1), stable=True)
     w_flat = probs.gather(1, ids).reshape(-1)
     move = (t + n) * h * 2

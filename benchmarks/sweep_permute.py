@@ -56,9 +56,9 @@ def sweep_config(name: str, copy_bw: float) -> list[dict]:
 
     def scatter(src, dst, bh, nw, kb):
         permute_scatter_kernel[(t, triton.cdiv(h, bh))](
-            src, dst, rid, src, written, src, written, src, written, n, h, s, 0,
-            src.stride(0), 0, 0, 0, HAS_W=False, HAS_P=False, HAS_SIDE=False, KB=kb,
-            BLOCK_H=bh, BLOCK_S=1, num_warps=nw)
+            src, dst, rid, src, written, written, src, written, src, written, t, n, h, s, 0, 0,
+            0, src.stride(0), 0, 0, 0, HAS_W=False, HAS_P=False, HAS_SIDE=False,
+            HAS_FILL=False, KB=kb, BLOCK_H=bh, BLOCK_S=1, num_warps=nw)
 
     def gather(bh, nw):
         unpermute_gather_kernel[(t, triton.cdiv(h, bh))](

@@ -20,6 +20,7 @@
 #include <type_traits>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <vector>
 
 #ifdef __linux__
@@ -89,8 +90,30 @@ void write_compact(int32_t* row, int64_t s, const std::vector<std::pair<int32_t,
   row[2 * s] = static_cast<int32_t>(j);
 }
 
+// The output rows no route writes, as int32 [R, 2] ranges [lo, hi) clipped to [0, n): after
+// each expert's rows its padding (R = E + 1, padded maps), then the tail past the last row
+// (R = 1 otherwise). `counts`: routed rows per expert (or one total when unpadded).
+Tensor fill_ranges(const std::vector<int64_t>& counts, int64_t n, int64_t align) {
+  const bool padded = align > 1;
+  const int64_t r = padded ? static_cast<int64_t>(counts.size()) + 1 : 1;
+  auto fill = at::empty({r, 2}, at::TensorOptions().dtype(at::kInt));
+  int32_t* f = fill.data_ptr<int32_t>();
+  int64_t end = 0;
+  for (size_t e = 0; e < counts.size(); ++e) {
+    const int64_t c = counts[e], p = padded ? (c + align - 1) / align * align : c;
+    if (padded) {
+      f[2 * e] = static_cast<int32_t>(std::min(end + c, n));
+      f[2 * e + 1] = static_cast<int32_t>(std::min(end + p, n));
+    }
+    end += p;
+  }
+  f[2 * (r - 1)] = static_cast<int32_t>(std::min(end, n));
+  f[2 * (r - 1) + 1] = static_cast<int32_t>(n);
+  return fill;
+}
+
 template <typename M>
-Tensor mask_map(const Tensor& rm, int64_t n, int64_t align) {
+std::tuple<Tensor, Tensor> mask_map(const Tensor& rm, int64_t n, int64_t align) {
   const int64_t t = rm.size(0), e = rm.size(1);
   auto m = rm.contiguous();
   const M* mp = m.data_ptr<M>();
@@ -116,11 +139,11 @@ Tensor mask_map(const Tensor& rm, int64_t n, int64_t align) {
     }
     write_compact(r + i * (2 * e + 1), e, kept);
   }
-  return rid;
+  return {rid, fill_ranges(counts, n, align)};
 }
 
 template <typename I>
-Tensor index_map(const Tensor& rm, int64_t n) {
+std::tuple<Tensor, Tensor> index_map(const Tensor& rm, int64_t n) {
   const int64_t t = rm.size(0), k = rm.size(1);
   auto m = rm.contiguous();
   const I* ip = m.data_ptr<I>();
@@ -133,6 +156,7 @@ Tensor index_map(const Tensor& rm, int64_t n) {
   std::vector<int64_t> cursor(e, 0);
   for (int64_t q = 0; q < t * k; ++q)
     if (ip[q] >= 0) ++cursor[ip[q]];
+  const std::vector<int64_t> routed{std::accumulate(cursor.begin(), cursor.end(), int64_t{0})};
   int64_t acc = 0;
   for (int64_t j = 0; j < e; ++j) {
     const int64_t c = cursor[j];
@@ -157,10 +181,10 @@ Tensor index_map(const Tensor& rm, int64_t n) {
       write_compact(r + i * (2 * k + 1), k, kept);
     }
   });
-  return rid;
+  return {rid, fill_ranges(routed, n, 1)};
 }
 
-Tensor make_row_id_map(const Tensor& rm, int64_t n, bool is_index, int64_t align) {
+std::tuple<Tensor, Tensor> make_row_id_map(const Tensor& rm, int64_t n, bool is_index, int64_t align) {
   QMOE_CHECK(rm.dim() == 2, "make_row_id_map", "routing_map must be 2-d, got ", rm.sizes());
   QMOE_CHECK(n >= 0, "make_row_id_map", "num_out_tokens must be >= 0, got ", n);
   QMOE_CHECK(align >= 1, "make_row_id_map", "align_size must be >= 1, got ", align);
@@ -250,8 +274,11 @@ Tensor permute_probs(const Tensor& probs, const Tensor& rid, int64_t n) {
   return pp;
 }
 
+// `fill` (the map's unwritten row ranges) is accepted for the schema and unused: the CPU
+// kernel tracks the rows it writes and zeroes the rest itself.
 std::tuple<Tensor, Tensor> permute(const Tensor& inp, const Tensor& rid,
-                                   const c10::optional<Tensor>& probs, int64_t n) {
+                                   const c10::optional<Tensor>& probs, int64_t n,
+                                   const c10::optional<Tensor>& /*fill*/) {
   auto out = permute_rows(inp, rid, n, c10::nullopt);
   if (!probs.has_value()) return {out, at::empty({0}, inp.options())};
   QMOE_CHECK(probs->dim() == 2 && probs->size(0) == inp.size(0), "permute",

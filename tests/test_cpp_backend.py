@@ -8,7 +8,7 @@ import torch
 import qmoe
 from qmoe._backends import cpp_loaded
 from qmoe.ops import backend as B
-from qmoe.ops.row_id_map import _index_rows, _mask_rows
+from qmoe.ops.row_id_map import _index_rows, _mask_rows, fill_rows
 from qmoe.ops.sort_chunks import chunk_source_rows
 from qmoe.tensors.quantize import _reference_blocks, _saturate_cast
 from tests.ops.helpers import KINDS, routing
@@ -30,10 +30,16 @@ def test_maps(t, e, k, kind):
     ids, mask = routing(t, e, k, kind)
     for n in (int(mask.sum()), int(mask.sum()) // 2, int(mask.sum()) + 5):
         for align in (1, 8):
-            got = ops.make_row_id_map(mask, n, False, align)
+            got, fill = ops.make_row_id_map(mask, n, False, align)
             assert torch.equal(got, _mask_rows(mask, n, align))
-        assert torch.equal(ops.make_row_id_map(mask.int(), n, False, 1), _mask_rows(mask, n, 1))
-        assert torch.equal(ops.make_row_id_map(ids, n, True, 1), _index_rows(ids, n))
+            assert torch.equal(fill, fill_rows(mask.sum(0) if align > 1 else mask.sum(), n,
+                                               align))
+        got, fill = ops.make_row_id_map(mask.int(), n, False, 1)
+        assert torch.equal(got, _mask_rows(mask, n, 1))
+        assert torch.equal(fill, fill_rows(mask.sum(), n, 1))
+        got, fill = ops.make_row_id_map(ids, n, True, 1)
+        assert torch.equal(got, _index_rows(ids, n))
+        assert torch.equal(fill, fill_rows((ids >= 0).sum(), n, 1))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -41,6 +41,7 @@ from torchao.prototype.mx_formats.mx_tensor import MXTensor
 from torchao.quantization import Float8Tensor as AOFloat8Tensor
 
 from qmoe.ops.backend import FP8_BLOCK_E8M0, FP8_BLOCK_FP32, FP8_PER_TENSOR
+from qmoe.ops.fp8 import permute_args
 from qmoe.tensors import Float8BlockwiseTensor, Float8Tensor, MXFP8Tensor
 
 __all__ = ["from_torchao", "to_torchao", "TORCHAO_CLASSES"]
@@ -114,8 +115,8 @@ def _move(t: torch.Tensor, run):
 
 
 def _permute_rule(cls, func, types, args, kwargs):
-    x, rid, probs, n = args
-    return _move(x, lambda r, with_probs: func(r, rid, probs if with_probs else None, n))
+    x, rid, probs, n, fill = permute_args(args, kwargs)
+    return _move(x, lambda r, with_probs: func(r, rid, probs if with_probs else None, n, fill))
 
 
 def _sort_chunks_rule(cls, func, types, args, kwargs):

@@ -55,6 +55,7 @@ def permute_rows(
     probs_out: torch.Tensor | None = None,
     side: torch.Tensor | None = None,
     side_out: torch.Tensor | None = None,
+    fill: torch.Tensor | None = None,
     use_triton: bool | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -62,7 +63,10 @@ def permute_rows(
     rows no route writes are zero. ``x`` ``[T, H]``, ``weights`` ``[T, P]`` float.
     With ``probs`` ``[T, P]``, also fills ``probs_out`` ``[N]`` (probs' dtype) with each
     route's ``probs[t, col]`` at its row, zero elsewhere, in the same pass; with ``side``
-    ``[T, NS]`` (block scales of quantized rows), fills ``side_out`` ``[N, NS]`` alike."""
+    ``[T, NS]`` (block scales of quantized rows), fills ``side_out`` ``[N, NS]`` alike.
+    ``fill`` (``[R, 2]`` int32 from ``make_row_id_map``: the rows no route writes) lets
+    the kernel zero those rows in the same launch; without it the rows written are
+    flagged and a second pass zeroes the rest."""
     t, h = x.shape
     use_triton = x.is_cuda if use_triton is None else use_triton
     if not use_triton:
@@ -86,7 +90,8 @@ def permute_rows(
     if x.stride(1) != 1:
         x = x.contiguous()
     bh, nw, kb = scatter_tile(h, x.element_size(), weights is not None)
-    written = torch.zeros(n, dtype=torch.int8, device=x.device)
+    has_f = fill is not None
+    written = fill if has_f else torch.zeros(n, dtype=torch.int8, device=x.device)
     has_p = probs is not None
     p = probs if has_p else written
     pp = probs_out if has_p else written
@@ -96,19 +101,27 @@ def permute_rows(
     sd, so = (side, side_out) if has_s else (written, written)
     ns = side.shape[1] if has_s else 0
     bs = triton.next_power_of_2(max(ns, 1))
-    if t > 0:
+    r, z = (fill.shape[0], fill_programs(n)) if has_f else (0, 0)
+    if t > 0 or has_f:
         w = weights if weights is not None else x
-        permute_scatter_kernel[(t, triton.cdiv(max(h, 1), bh))](
-            x, out, rid, w, written, p, pp, sd, so, n, h, num_slots(rid), ns, x.stride(0),
-            w.stride(0), p.stride(0) if has_p else 0, side.stride(0) if has_s else 0,
-            HAS_W=weights is not None, HAS_P=has_p, HAS_SIDE=has_s, KB=kb, BLOCK_H=bh,
-            BLOCK_S=bs, num_warps=nw,
+        permute_scatter_kernel[(t + max(r - 1 + z, 0), triton.cdiv(max(h, 1), bh))](
+            x, out, rid, w, written, fill if has_f else written, p, pp, sd, so, t, n, h,
+            num_slots(rid), ns, r, z, x.stride(0), w.stride(0), p.stride(0) if has_p else 0,
+            side.stride(0) if has_s else 0, HAS_W=weights is not None, HAS_P=has_p,
+            HAS_SIDE=has_s, HAS_FILL=has_f, KB=kb, BLOCK_H=bh, BLOCK_S=bs, num_warps=nw,
         )
-    zero_rows_kernel[(triton.cdiv(n, 64),)](
-        out, written, pp, so, n, h, ns, HAS_P=has_p, HAS_SIDE=has_s, BLOCK_R=64,
-        BLOCK_H=min(bh, 64), BLOCK_S=bs, num_warps=4,
-    )
+    if not has_f:
+        zero_rows_kernel[(triton.cdiv(n, 64),)](
+            out, written, pp, so, n, h, ns, HAS_P=has_p, HAS_SIDE=has_s, BLOCK_R=64,
+            BLOCK_H=min(bh, 64), BLOCK_S=bs, num_warps=4,
+        )
     return out
+
+
+def fill_programs(n: int) -> int:
+    """Z: programs of a scatter launch that share the zeroing of the rows past the last
+    route (a tail of up to N rows; empty ones cost a load and exit)."""
+    return max(1, min(256, triton.cdiv(n, 64)))
 
 
 def unpermute_rows(

@@ -48,9 +48,9 @@ def _move_rows(q: QuantizedTensor, run):
 
 @define(
     "permute_with_scales(Tensor qbits, Tensor scale_rows, Tensor row_id_map, Tensor? probs, "
-    "SymInt num_out_tokens) -> (Tensor, Tensor, Tensor)"
+    "SymInt num_out_tokens, Tensor? fill=None) -> (Tensor, Tensor, Tensor)"
 )
-def _permute_with_scales(qbits, scale_rows, row_id_map, probs, num_out_tokens):
+def _permute_with_scales(qbits, scale_rows, row_id_map, probs, num_out_tokens, fill=None):
     """``(bits [N, H], scale rows [N, NB], permuted probs [N] or empty)``: quantized rows
     and their block-scale rows moved together (one scatter pass on CUDA)."""
     if qbits.is_cuda:
@@ -58,7 +58,7 @@ def _permute_with_scales(qbits, scale_rows, row_id_map, probs, num_out_tokens):
         s_out = scale_rows.new_empty((n, scale_rows.shape[1]))
         pp = probs.new_empty((n,)) if probs is not None else qbits.new_empty(0)
         bits = permute_rows(qbits, row_id_map, n, probs=probs, probs_out=pp, side=scale_rows,
-                            side_out=s_out)
+                            side_out=s_out, fill=fill)
         return bits, s_out, pp
     bits, pp = ops.permute(qbits, row_id_map, probs, num_out_tokens)
     s_out = ops.permute(scale_rows, row_id_map, None, num_out_tokens)[0]
@@ -66,20 +66,28 @@ def _permute_with_scales(qbits, scale_rows, row_id_map, probs, num_out_tokens):
 
 
 @_permute_with_scales.register_fake
-def _(qbits, scale_rows, row_id_map, probs, num_out_tokens):
+def _(qbits, scale_rows, row_id_map, probs, num_out_tokens, fill=None):
     n = num_out_tokens
     pp = probs.new_empty((n,)) if probs is not None else qbits.new_empty(0)
     return (qbits.new_empty((n, qbits.shape[1])),
             scale_rows.new_empty((n, scale_rows.shape[1])), pp)
 
 
+def permute_args(args, kwargs):
+    """``(inp, row_id_map, probs, num_out_tokens, fill)`` of a ``qmoe::permute`` call
+    (``fill`` may be left out)."""
+    inp, rid, probs, n, *rest = args
+    return inp, rid, probs, n, rest[0] if rest else kwargs.get("fill")
+
+
 @register_passthrough(ops.permute.default)
 def _permute_q(func, args, kwargs):
-    q, rid, probs, n = args
+    q, rid, probs, n, fill = permute_args(args, kwargs)
     if q.block_size is not None and q.qdata.dim() == 2:
-        bits, scale, pp = ops.permute_with_scales(_bits(q), q.raw_scale, rid, probs, n)
+        bits, scale, pp = ops.permute_with_scales(_bits(q), q.raw_scale, rid, probs, n, fill)
         return q._rewrap(bits.view(q.fp8_dtype), scale), pp
-    return _move_rows(q, lambda t, with_probs: func(t, rid, probs if with_probs else None, n))
+    return _move_rows(
+        q, lambda t, with_probs: func(t, rid, probs if with_probs else None, n, fill))
 
 
 @register_passthrough(ops.sort_chunks.default)

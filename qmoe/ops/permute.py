@@ -18,21 +18,27 @@ __all__ = ["moe_permute", "moe_permute_with_probs", "moe_permute_and_pad_with_pr
 
 
 @define(
-    "permute(Tensor inp, Tensor row_id_map, Tensor? probs, SymInt num_out_tokens) "
-    "-> (Tensor, Tensor)"
+    "permute(Tensor inp, Tensor row_id_map, Tensor? probs, SymInt num_out_tokens, "
+    "Tensor? fill=None) -> (Tensor, Tensor)"
 )
 def _permute(
-    inp: torch.Tensor, row_id_map: torch.Tensor, probs: torch.Tensor | None, num_out_tokens: int
+    inp: torch.Tensor,
+    row_id_map: torch.Tensor,
+    probs: torch.Tensor | None,
+    num_out_tokens: int,
+    fill: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out [N, H], permuted_probs [N] or empty)``. ``fill``: the map's unwritten row
+    ranges from ``make_row_id_map`` (zeroed in the scatter launch on CUDA), or None."""
     if probs is None:
-        return permute_rows(inp, row_id_map, num_out_tokens), inp.new_empty(0)
+        return permute_rows(inp, row_id_map, num_out_tokens, fill=fill), inp.new_empty(0)
     pp = probs.new_empty((num_out_tokens,))
-    out = permute_rows(inp, row_id_map, num_out_tokens, probs=probs, probs_out=pp)
+    out = permute_rows(inp, row_id_map, num_out_tokens, probs=probs, probs_out=pp, fill=fill)
     return out, pp
 
 
 @_permute.register_fake
-def _(inp, row_id_map, probs, num_out_tokens):
+def _(inp, row_id_map, probs, num_out_tokens, fill=None):
     out = inp.new_empty((num_out_tokens, inp.shape[1]))
     if probs is None:
         return out, inp.new_empty(0)
@@ -40,7 +46,7 @@ def _(inp, row_id_map, probs, num_out_tokens):
 
 
 def _setup(ctx, inputs, output):
-    inp, row_id_map, probs, _ = inputs
+    inp, row_id_map, probs = inputs[:3]
     ctx.save_for_backward(row_id_map)
     ctx.probs_shape = None if probs is None else (tuple(probs.shape), probs.dtype)
 
@@ -63,7 +69,7 @@ def _backward(ctx, grad_out, grad_probs):
     if ctx.probs_shape is not None and grad_probs is not None:
         (t, p), dtype = ctx.probs_shape
         gp = probs_grad(rid, grad_probs, t, p, dtype)
-    return grad_inp, None, gp, None
+    return grad_inp, None, gp, None, None
 
 
 _permute.register_autograd(_backward, setup_context=_setup)
@@ -114,8 +120,8 @@ def _prepare(fn, inp, routing_map, map_type, num_out_tokens, num_experts, align_
         n, _ = _routed_count(fn, routing_map, map_type, num_experts, align_size)
     elif map_type == "index":
         _check_index_ids(fn, routing_map, num_experts)
-    rid = torch.ops.qmoe.make_row_id_map(routing_map, n, map_type == "index", align_size)
-    return rid, n
+    rid, fill = torch.ops.qmoe.make_row_id_map(routing_map, n, map_type == "index", align_size)
+    return rid, fill, n
 
 
 def moe_permute(
@@ -162,11 +168,13 @@ def moe_permute(
         same routing give the same output. Differentiable in ``inp``.
     """
     del max_token_num
-    rid, n = _prepare("moe_permute", inp, routing_map, map_type, num_out_tokens, num_experts)
+    rid, fill, n = _prepare("moe_permute", inp, routing_map, map_type, num_out_tokens,
+                            num_experts)
     if quantize is not None:
-        out, _ = quantize_and_permute("moe_permute", inp, None, rid, n, quantize, quantize_scale)
+        out, _ = quantize_and_permute("moe_permute", inp, None, rid, fill, n, quantize,
+                                      quantize_scale)
         return out, rid
-    out, _ = torch.ops.qmoe.permute(inp, rid, None, n)
+    out, _ = torch.ops.qmoe.permute(inp, rid, None, n, fill)
     return out, rid
 
 
@@ -191,13 +199,13 @@ def moe_permute_with_probs(
     fn = "moe_permute_with_probs"
     if probs is None:
         raise TypeError(f"{fn}: probs is required; use moe_permute without probs")
-    rid, n = _prepare(fn, inp, routing_map, map_type, num_out_tokens, num_experts)
+    rid, fill, n = _prepare(fn, inp, routing_map, map_type, num_out_tokens, num_experts)
     C.check_probs(fn, "probs", probs, inp.shape[0], routing_map.shape[1], inp,
                   "E" if map_type == "mask" else "K")
     if quantize is not None:
-        out, pp = quantize_and_permute(fn, inp, probs, rid, n, quantize, quantize_scale)
+        out, pp = quantize_and_permute(fn, inp, probs, rid, fill, n, quantize, quantize_scale)
         return out, pp, rid
-    out, pp = torch.ops.qmoe.permute(inp, rid, probs, n)
+    out, pp = torch.ops.qmoe.permute(inp, rid, probs, n, fill)
     return out, pp, rid
 
 
@@ -233,7 +241,7 @@ def moe_permute_and_pad_with_probs(
     fn = "moe_permute_and_pad_with_probs"
     if isinstance(align_size, bool) or not isinstance(align_size, int) or align_size < 1:
         raise ValueError(f"{fn}: align_size must be a positive int, got {align_size!r}")
-    rid, n = _prepare(fn, inp, routing_map, "mask", num_out_tokens, None, align_size)
+    rid, fill, n = _prepare(fn, inp, routing_map, "mask", num_out_tokens, None, align_size)
     C.check_probs(fn, "probs", probs, inp.shape[0], routing_map.shape[1], inp, "E")
     counts = (routing_map != 0).sum(0)
     target = (counts + align_size - 1) // align_size * align_size
@@ -258,7 +266,7 @@ def moe_permute_and_pad_with_probs(
         if not bool(pads.any()):
             pad_offsets = None
     if quantize is not None:
-        out, pp = quantize_and_permute(fn, inp, probs, rid, n, quantize, quantize_scale)
+        out, pp = quantize_and_permute(fn, inp, probs, rid, fill, n, quantize, quantize_scale)
     else:
-        out, pp = torch.ops.qmoe.permute(inp, rid, probs, n)
+        out, pp = torch.ops.qmoe.permute(inp, rid, probs, n, fill)
     return out, pp, rid, pad_offsets, target

@@ -47,13 +47,16 @@ def _two_step(x, rid, probs, n, block_size, fp8_dtype, scale_mode, scale):
     return bits.view(fp8_dtype), s_out, pp if probs is not None else x.new_empty(0)
 
 
-def quantize_permute_triton(x, rid, probs, n, block_size, fp8_dtype, scale_mode, scale, *,
-                            tile=None, kb=4, num_warps=4):
+def quantize_permute_triton(x, rid, probs, n, block_size, fp8_dtype, scale_mode, scale,
+                            fill=None, *, tile=None, kb=4, num_warps=4, poison=False):
     """The fused kernel (CUDA, or CPU under TRITON_INTERPRET=1); outputs as the op's.
+    ``fill``: as ``permute_rows``'s (zero the unwritten rows in the same launch).
     ``tile`` (row elements per program), ``kb`` and ``num_warps`` set the kernel's tiling
-    (``benchmarks/sweep_permute.py`` sweeps them)."""
+    (``benchmarks/sweep_permute.py`` sweeps them). ``poison`` (tests) fills the outputs
+    with 0xFF bytes first, so a row the kernel misses shows."""
     from qmoe.ops._kernels.permute import zero_rows_kernel
     from qmoe.ops._kernels.quantize_permute import quantize_permute_kernel
+    from qmoe.ops.backend import fill_programs
 
     t, h = x.shape
     if h == 0:
@@ -69,47 +72,59 @@ def quantize_permute_triton(x, rid, probs, n, block_size, fp8_dtype, scale_mode,
         s_out = torch.empty((n, nb), dtype=sdt, device=x.device)
     has_p = probs is not None
     pp = probs.new_empty((n,)) if has_p else x.new_empty(0)
+    if poison:
+        for buf in (q, pp) if given else (q, s_out, pp):
+            buf.view(torch.uint8).fill_(0xFF)
     if n == 0:
         return q.view(fp8_dtype), s_out, pp
     if x.stride(1) != 1:
         x = x.contiguous()
-    written = torch.zeros(n, dtype=torch.int8, device=x.device)
+    has_f = fill is not None
+    written = fill if has_f else torch.zeros(n, dtype=torch.int8, device=x.device)
     if tile is None:  # row elements per program (sweep_permute.py: 4096 at H >= 4096)
         tile = 4096 if h >= 4096 else 1024
     groups = max(1, min(tile // bs, triton.next_power_of_2(nb)))
     e4m3 = fp8_dtype == torch.float8_e4m3fn
-    if t > 0:
-        quantize_permute_kernel[(t, triton.cdiv(nb, groups))](
+    r, z = (fill.shape[0], fill_programs(n)) if has_f else (0, 0)
+    if t > 0 or has_f:
+        quantize_permute_kernel[(t + max(r - 1 + z, 0), triton.cdiv(nb, groups))](
             x, q, s_out, rid, probs if has_p else x, pp if has_p else written, written,
-            n, h, nb, num_slots(rid), x.stride(0), probs.stride(0) if has_p else 0,
+            fill if has_f else written, t, n, h, nb, num_slots(rid), r, z, x.stride(0),
+            probs.stride(0) if has_p else 0,
             FP8_MAX=fp8_max(fp8_dtype), EMAX_ELEM=_emax_elem(fp8_dtype), EPS=EPS,
             SCALE_MODE=3 if given else SCALE_MODES[scale_mode], MB=3 if e4m3 else 2,
-            BIAS=7 if e4m3 else 15, HW_CAST=x.is_cuda, HAS_P=has_p, BS=bs, GROUPS=groups,
-            KB=kb, num_warps=num_warps,
+            BIAS=7 if e4m3 else 15, HW_CAST=x.is_cuda, HAS_P=has_p, HAS_FILL=has_f, BS=bs,
+            GROUPS=groups, KB=kb, num_warps=num_warps,
         )
-    zero_rows_kernel[(triton.cdiv(n, 64),)](
-        q, written, pp if has_p else written, written if given else s_out, n, h,
-        0 if given else nb, HAS_P=has_p, HAS_SIDE=not given, BLOCK_R=64, BLOCK_H=64,
-        BLOCK_S=triton.next_power_of_2(nb), num_warps=4,
-    )
+    if not has_f:
+        zero_rows_kernel[(triton.cdiv(n, 64),)](
+            q, written, pp if has_p else written, written if given else s_out, n, h,
+            0 if given else nb, HAS_P=has_p, HAS_SIDE=not given, BLOCK_R=64, BLOCK_H=64,
+            BLOCK_S=triton.next_power_of_2(nb), num_warps=4,
+        )
     return q.view(fp8_dtype), s_out, pp
 
 
 @define(
     "quantize_permute(Tensor x, Tensor row_id_map, Tensor? probs, SymInt num_out_tokens, "
-    "int block_size, ScalarType fp8_dtype, str scale_mode, Tensor? scale) "
+    "int block_size, ScalarType fp8_dtype, str scale_mode, Tensor? scale, Tensor? fill=None) "
     "-> (Tensor, Tensor, Tensor)"
 )
 def _quantize_permute(x, row_id_map, probs, num_out_tokens, block_size, fp8_dtype,
-                      scale_mode, scale):
+                      scale_mode, scale, fill=None):
     """``(qdata [N, H] fp8, scale [N, NB] fp32 / uint8 e8m0 bits, or [] given,
-    permuted_probs [N] or empty)``. No host sync."""
-    f = quantize_permute_triton if x.is_cuda else _two_step
-    return f(x, row_id_map, probs, num_out_tokens, block_size, fp8_dtype, scale_mode, scale)
+    permuted_probs [N] or empty)``. ``fill``: the map's unwritten row ranges, or None.
+    No host sync."""
+    if x.is_cuda:
+        return quantize_permute_triton(x, row_id_map, probs, num_out_tokens, block_size,
+                                       fp8_dtype, scale_mode, scale, fill)
+    return _two_step(x, row_id_map, probs, num_out_tokens, block_size, fp8_dtype, scale_mode,
+                     scale)
 
 
 @_quantize_permute.register_fake
-def _(x, row_id_map, probs, num_out_tokens, block_size, fp8_dtype, scale_mode, scale):
+def _(x, row_id_map, probs, num_out_tokens, block_size, fp8_dtype, scale_mode, scale,
+      fill=None):
     n, h = num_out_tokens, x.shape[1]
     q = x.new_empty((n, h), dtype=fp8_dtype)
     if scale_mode == "given":
@@ -123,13 +138,14 @@ def _(x, row_id_map, probs, num_out_tokens, block_size, fp8_dtype, scale_mode, s
 
 class _QuantizePermute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, probs, rid, n, recipe, scale):
+    def forward(ctx, x, probs, rid, fill, n, recipe, scale):
         if isinstance(recipe, PerTensor):
             s = per_tensor_scale(x, recipe) if scale is None else scale.float().reshape(())
             mode, bs = "given", 0
         else:
             s, mode, bs = None, _scale_mode(recipe), recipe.block_size
-        q, s_out, pp = ops.quantize_permute(x, rid, probs, n, bs, recipe.fp8_dtype, mode, s)
+        q, s_out, pp = ops.quantize_permute(x, rid, probs, n, bs, recipe.fp8_dtype, mode, s,
+                                            fill)
         ctx.save_for_backward(rid)
         ctx.probs_meta = None if probs is None else (tuple(probs.shape), probs.dtype)
         if isinstance(recipe, PerTensor):
@@ -150,10 +166,10 @@ class _QuantizePermute(torch.autograd.Function):
         if ctx.probs_meta is not None and grad_pp is not None:
             (t, p), dtype = ctx.probs_meta
             gp = probs_grad(rid, grad_pp, t, p, dtype)
-        return gx, gp, None, None, None, None
+        return gx, gp, None, None, None, None, None
 
 
-def quantize_and_permute(fn: str, x, probs, rid, n, recipe: Recipe, scale):
+def quantize_and_permute(fn: str, x, probs, rid, fill, n, recipe: Recipe, scale):
     """The public functions' fused path: ``(quantized output [N, H], permuted_probs)``."""
     from qmoe.tensors.base import QuantizedTensor
 
@@ -171,4 +187,4 @@ def quantize_and_permute(fn: str, x, probs, rid, n, recipe: Recipe, scale):
         if scale.device != x.device:
             raise ValueError(f"{fn}: quantize_scale is on {scale.device} but inp is on "
                              f"{x.device}")
-    return _QuantizePermute.apply(x, probs, rid, n, recipe, scale)
+    return _QuantizePermute.apply(x, probs, rid, fill, n, recipe, scale)

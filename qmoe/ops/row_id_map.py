@@ -18,6 +18,12 @@ so nothing ever writes past the output. T is ``row_id_map.shape[0]``.
 The map is built on the input's device with a handful of linear passes (cumulative sums
 over ``[T, S]`` and, for index maps, one stable sort of the ``T*K`` expert ids); there is
 no host sync and no workspace kept between calls.
+
+``make_row_id_map`` also returns ``fill``: ``int32 [R, 2]``, the row ranges ``[lo, hi)``
+of the output that no route writes, so the permute kernels zero exactly those rows in
+their own launch (no per-row "written" flags, no second pass). ``R = E + 1`` for a padded
+mask map (after each expert's rows, its padding; then the tail past the padded total) and
+``R = 1`` otherwise (the tail ``[kept routes, N)``). Ranges are clipped to ``[0, N)``.
 """
 
 from __future__ import annotations
@@ -40,6 +46,26 @@ def _compact(dst: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
         [out[:, :s], out[:, s + 1 : 2 * s + 1], valid.sum(1, dtype=torch.int32)[:, None]], dim=1
     )
     return rid.contiguous()
+
+
+def fill_rows(counts: torch.Tensor, num_out_tokens: int, align_size: int) -> torch.Tensor:
+    """``fill`` (module docs) from the routed count per expert (``[E]``, a padded mask map)
+    or in total (one element: unpadded maps). Device ops, no host sync."""
+    n = num_out_tokens
+    c = counts.reshape(-1).to(torch.int64)
+    if align_size > 1:
+        padded = (c + (align_size - 1)) // align_size * align_size
+        end = torch.cumsum(padded, 0)
+        lo = torch.cat([end - padded + c, end[-1:] if c.numel() else c.new_zeros(1)])
+        hi = torch.cat([end, c.new_full((1,), n)])
+    else:
+        lo, hi = c.sum().reshape(1), c.new_full((1,), n)
+    return torch.stack([lo.clamp(max=n), hi.clamp(max=n)], dim=1).to(torch.int32)
+
+
+def fill_count(routing_map: torch.Tensor, is_index: bool, align_size: int) -> int:
+    """R, the rows of ``fill``."""
+    return routing_map.shape[1] + 1 if not is_index and align_size > 1 else 1
 
 
 def _mask_rows(routing_map: torch.Tensor, num_out_tokens: int, align_size: int) -> torch.Tensor:
@@ -77,9 +103,9 @@ def _index_rows(routing_map: torch.Tensor, num_out_tokens: int) -> torch.Tensor:
 def _mask_rows_triton(
     routing_map: torch.Tensor, num_out_tokens: int, align_size: int, tile: int = 4096
 ):
-    """The same map from three Triton launches over the mask (CUDA, or the interpreter).
-    ``tile`` bounds the entries one program holds (tests shrink it to reach many blocks
-    and several scan steps with small inputs)."""
+    """``(row_id_map, fill)`` from three Triton launches over the mask (CUDA, or the
+    interpreter). ``tile`` bounds the entries one program holds (tests shrink it to reach
+    many blocks and several scan steps with small inputs)."""
     import triton
 
     from qmoe.ops._kernels.row_id_map import (
@@ -91,7 +117,9 @@ def _mask_rows_triton(
     t, e = routing_map.shape
     rid = torch.empty((t, 2 * e + 1), dtype=torch.int32, device=routing_map.device)
     if t == 0 or e == 0:
-        return rid.fill_(0) if e == 0 else rid
+        counts = routing_map.new_zeros((e if align_size > 1 else 1,), dtype=torch.int32)
+        return (rid.fill_(0) if e == 0 else rid), fill_rows(counts, num_out_tokens, align_size)
+    fill = torch.empty((e + 1 if align_size > 1 else 1, 2), dtype=torch.int32, device=rid.device)
     m = routing_map.view(torch.uint8) if routing_map.dtype == torch.bool else routing_map
     if m.stride(1) != 1:
         m = m.contiguous()
@@ -105,31 +133,36 @@ def _mask_rows_triton(
     chunk = max(1, min(triton.next_power_of_2(nblk), tile // cols))
     block_scan_kernel[(triton.cdiv(e, cols),)](counts, total, nblk, e, CHUNK_B=chunk, COLS=cols)
     mask_row_id_map_kernel[(nblk,)](
-        m, counts, total, rid, t, e, num_out_tokens, max(align_size, 1), m.stride(0),
+        m, counts, total, rid, fill, t, e, num_out_tokens, max(align_size, 1), m.stride(0),
         BLOCK_T=bt, BLOCK_E=be,
     )
-    return rid
+    return rid, fill
 
 
 @define(
     "make_row_id_map(Tensor routing_map, SymInt num_out_tokens, bool is_index, int align_size) "
-    "-> Tensor"
+    "-> (Tensor, Tensor)"
 )
 def make_row_id_map(
     routing_map: torch.Tensor, num_out_tokens: int, is_index: bool, align_size: int
-) -> torch.Tensor:
-    """Build the ``[T, 2*S + 1]`` int32 map (module docs) from a mask or index routing map."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(row_id_map [T, 2*S + 1] int32, fill [R, 2] int32)`` (module docs) from a mask or
+    index routing map. No host sync."""
+    n = num_out_tokens
     if is_index:
-        return _index_rows(routing_map, num_out_tokens)
+        return _index_rows(routing_map, n), fill_rows((routing_map >= 0).sum(), n, 1)
     if routing_map.is_cuda:
-        return _mask_rows_triton(routing_map, num_out_tokens, align_size)
-    return _mask_rows(routing_map, num_out_tokens, align_size)
+        return _mask_rows_triton(routing_map, n, align_size)
+    counts = (routing_map != 0).sum(0) if align_size > 1 else (routing_map != 0).sum()
+    return _mask_rows(routing_map, n, align_size), fill_rows(counts, n, align_size)
 
 
 @make_row_id_map.register_fake
 def _(routing_map, num_out_tokens, is_index, align_size):
     t, s = routing_map.shape
-    return routing_map.new_empty((t, 2 * s + 1), dtype=torch.int32)
+    r = fill_count(routing_map, is_index, align_size)
+    return (routing_map.new_empty((t, 2 * s + 1), dtype=torch.int32),
+            routing_map.new_empty((r, 2), dtype=torch.int32))
 
 
 def num_slots(row_id_map: torch.Tensor) -> int:

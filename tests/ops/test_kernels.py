@@ -38,21 +38,23 @@ def test_permute_unpermute_kernels(kdevice, t, h, e, k, kind, extra, map_type):
     ids, mask = routing(t, e, k, kind, kdevice)
     rm = mask if map_type == "mask" else ids
     n = max(0, int(mask.sum()) + extra)
-    rid = make_row_id_map(rm, n, map_type == "index", 1)
+    rid, fill = make_row_id_map(rm, n, map_type == "index", 1)
     for dtype in _dtypes(kdevice):
         x = torch.randn(t, h, device=kdevice).to(dtype)
         w = torch.rand(t, rm.shape[1], device=kdevice)
-        for weights in (None, w):
-            got = B.permute_rows(x, rid, n, weights, use_triton=True,
+        # Rows no route writes are zeroed by a flagged second pass (fill=None, as for maps
+        # built elsewhere) or inside the scatter launch from the map's fill ranges.
+        for weights, f in ((None, None), (w, None), (None, fill), (w, fill)):
+            got = B.permute_rows(x, rid, n, weights, use_triton=True, fill=f,
                                  out=_poison((n, h), dtype, kdevice))
             assert_same_bits(got, B.permute_rows(x, rid, n, weights, use_triton=False))
         # Permuted probs and side rows (block scales) ride in the same pass (into poison).
         side = torch.randn(t, 5, device=kdevice)
-        for sd in (side, side.view(torch.uint8)[:, :7]):
+        for sd, f in ((side, None), (side.view(torch.uint8)[:, :7], None), (side, fill)):
             pp = _poison((n,), w.dtype, kdevice)
             so = torch.full((n, sd.shape[1]), 0xFF, device=kdevice).to(sd.dtype)
             got = B.permute_rows(x, rid, n, probs=w, probs_out=pp, side=sd, side_out=so,
-                                 use_triton=True)
+                                 fill=f, use_triton=True, out=_poison((n, h), dtype, kdevice))
             pp_ref = torch.empty(n, dtype=w.dtype, device=kdevice)
             so_ref = torch.empty_like(so)
             want = B.permute_rows(x, rid, n, probs=w, probs_out=pp_ref, side=sd,
@@ -80,12 +82,20 @@ def test_permute_unpermute_kernels(kdevice, t, h, e, k, kind, extra, map_type):
 def test_padded_map_kernels_zero_padding(kdevice):
     t, h, e = 50, 40, 8
     ids, mask = routing(t, e, 2, "empty_experts", kdevice)
-    n = 200
-    rid = make_row_id_map(mask, n, False, 16)
     x = torch.randn(t, h, device=kdevice)
-    got = B.permute_rows(x, rid, n, use_triton=True, out=_poison((n, h), x.dtype, kdevice))
-    assert_same_bits(got, B.permute_rows(x, rid, n, use_triton=False))
-    assert not got.isnan().any()
+    for n in (200, 90, 0):  # spare rows past the padded total; dropping; nothing
+        rid, fill = make_row_id_map(mask, n, False, 16)
+        want = B.permute_rows(x, rid, n, use_triton=False)
+        for f in (None, fill):
+            got = B.permute_rows(x, rid, n, use_triton=True, fill=f,
+                                 out=_poison((n, h), x.dtype, kdevice))
+            assert_same_bits(got, want)
+            assert not got.isnan().any()
+    # No tokens at all: the fill programs alone zero the whole output.
+    rid, fill = make_row_id_map(mask[:0], 40, False, 16)
+    got = B.permute_rows(x[:0], rid, 40, use_triton=True, fill=fill,
+                         out=_poison((40, h), x.dtype, kdevice))
+    assert_same_bits(got, torch.zeros(40, h, device=kdevice))
 
 
 @pytest.mark.parametrize("r,h", [(1, 1), (63, 17), (1025, 130)])
@@ -103,12 +113,15 @@ def test_gather_rows_kernel(kdevice, r, h):
 ])
 @pytest.mark.parametrize("align", [1, 16])
 def test_mask_map_kernel_matches_torch(kdevice, t, e, k, kind, align):
-    from qmoe.ops.row_id_map import _mask_rows, _mask_rows_triton
+    from qmoe.ops.row_id_map import _mask_rows, _mask_rows_triton, fill_rows
 
     ids, mask = routing(t, e, k, kind, kdevice)
+    counts = mask.sum(0) if align > 1 else mask.sum()
     for n in (int(mask.sum()), int(mask.sum()) // 2, 1000):
         for m in (mask, mask.to(torch.int32)):
-            assert torch.equal(_mask_rows_triton(m, n, align), _mask_rows(m, n, align))
+            rid, fill = _mask_rows_triton(m, n, align)
+            assert torch.equal(rid, _mask_rows(m, n, align))
+            assert torch.equal(fill, fill_rows(counts, n, align))
 
 
 def test_mask_map_kernel_many_blocks_and_scan_steps(kdevice):
@@ -118,7 +131,7 @@ def test_mask_map_kernel_many_blocks_and_scan_steps(kdevice):
     ids, mask = routing(300, 40, 3, "sentinels", kdevice)
     n = int(mask.sum()) - 7
     for align in (1, 8):
-        got = _mask_rows_triton(mask, n, align, tile=64)
+        got, _ = _mask_rows_triton(mask, n, align, tile=64)
         assert torch.equal(got, _mask_rows(mask, n, align))
 
 
@@ -134,7 +147,7 @@ def test_unpermute_fp8_kernel_dequantizes_in_place(kdevice, recipe, h):
     t, e, k = 29, 8, 3
     ids, mask = routing(t, e, k, "sentinels", kdevice)
     n = int(mask.sum()) + 3
-    rid = make_row_id_map(mask, n, False, 1)
+    rid, _ = make_row_id_map(mask, n, False, 1)
     x = torch.randn(n, h, device=kdevice) * torch.logspace(-3, 3, n, device=kdevice)[:, None]
     q = qmoe.quantize(x, RECIPES[recipe])
     w = torch.rand(t, e, device=kdevice)
@@ -165,7 +178,7 @@ def _merge_case(dev, fp8, bad):
     t, e, k, h = 20, 8, 2, 64
     _, mask = routing(t, e, k, "random", dev)
     n = int(mask.sum())
-    rid = make_row_id_map(mask, n, False, 1)
+    rid, _ = make_row_id_map(mask, n, False, 1)
     w = torch.rand(t, e, device=dev)
     x = torch.randn(n, h, device=dev)
     if bad == "rows":

@@ -17,8 +17,9 @@ def _cases():
         x = torch.randn(t, h, device=DEV, requires_grad=True)
         probs = torch.rand(t, e, device=DEV, requires_grad=True)
         n = int(mask.sum()) + 2
-        rid_m = ops.make_row_id_map(mask, n, False, 1)
-        rid_i = ops.make_row_id_map(ids, n, True, 1)
+        rid_m, fill_m = ops.make_row_id_map(mask, n, False, 1)
+        rid_i, fill_i = ops.make_row_id_map(ids, n, True, 1)
+        rid_p, fill_p = ops.make_row_id_map(mask, n + 8, False, 4)
         y = torch.randn(n, h, device=DEV, requires_grad=True)
         yield f"make_map_mask-{t}", ops.make_row_id_map.default, (mask, n, False, 1)
         yield f"make_map_pad-{t}", ops.make_row_id_map.default, (mask, n + 8, False, 4)
@@ -27,6 +28,9 @@ def _cases():
         yield f"permute_probs-{t}", ops.permute.default, (x, rid_m, probs, n)
         pk = torch.rand(t, ids.shape[1], device=DEV, requires_grad=True)
         yield f"permute_index_probs-{t}", ops.permute.default, (x, rid_i, pk, n)
+        yield f"permute_fill-{t}", ops.permute.default, (x, rid_m, probs, n, fill_m)
+        yield f"permute_index_fill-{t}", ops.permute.default, (x, rid_i, pk, n, fill_i)
+        yield f"permute_pad_fill-{t}", ops.permute.default, (x, rid_p, probs, n + 8, fill_p)
         yield f"unpermute-{t}", ops.unpermute.default, (y, rid_m, None)
         yield f"unpermute_probs-{t}", ops.unpermute.default, (y, rid_m, probs)
         g = torch.randn(t, h, device=DEV)
@@ -46,6 +50,8 @@ def _cases():
                 for pr in (None, probs.detach()):
                     yield (f"permute_with_scales_{name}-{pr is None}-{t}",
                            ops.permute_with_scales.default, (_bits(xq), xq.raw_scale, rid_m, pr, n))
+                yield (f"permute_with_scales_fill_{name}-{t}", ops.permute_with_scales.default,
+                       (_bits(xq), xq.raw_scale, rid_p, probs.detach(), n + 8, fill_p))
         sizes = torch.tensor([t // 2, 0, t - t // 2], device=DEV)
         order = torch.tensor([2, 0, 1], device=DEV)
         p1 = torch.rand(t, device=DEV, requires_grad=True)

@@ -33,12 +33,31 @@ def test_fused_kernel_matches_two_steps(kdevice, recipe, t, h, e, k, kind, extra
         x = (torch.randn(t, h, device=kdevice) * torch.logspace(-2, 2, h, device=kdevice)).to(dtype)
         probs = torch.rand(t, e, device=kdevice)
         for rm, is_index in ((mask, False), (ids, True)):
-            rid = torch.ops.qmoe.make_row_id_map(rm, n, is_index, 1)
+            rid, fill = torch.ops.qmoe.make_row_id_map(rm, n, is_index, 1)
             p = probs if not is_index else probs[:, :k]
-            got = quantize_permute_triton(x, rid, p, n, *_args(r, x))
             want = _two_step(x.cpu(), rid.cpu(), p.cpu(), n, *_args(r, x.cpu()))
-            for a, b in zip(got, want):
-                assert_same_bits(a.cpu(), b)
+            for f in (None, fill):  # rows no route writes: flagged pass, or zeroed in-launch
+                got = quantize_permute_triton(x, rid, p, n, *_args(r, x), f, poison=True)
+                for a, b in zip(got, want):
+                    assert_same_bits(a.cpu(), b)
+
+
+@pytest.mark.parametrize("recipe", ["blockwise-e4m3", "mx-e5m2", "pertensor-e4m3"])
+def test_fused_kernel_zeroes_padding_and_tail(kdevice, recipe):
+    """A padded map with spare rows: every padding row and the tail come out zero (into
+    poisoned outputs), with the map's fill ranges or with flags."""
+    r = RECIPES[recipe]
+    t, h, e = 45, 96, 8
+    _, mask = routing(t, e, 3, "empty_experts", kdevice)
+    n = 220
+    rid, fill = torch.ops.qmoe.make_row_id_map(mask, n, False, 16)
+    x = torch.randn(t, h, device=kdevice)
+    p = torch.rand(t, e, device=kdevice)
+    want = _two_step(x.cpu(), rid.cpu(), p.cpu(), n, *_args(r, x.cpu()))
+    for f in (None, fill):
+        got = quantize_permute_triton(x, rid, p, n, *_args(r, x), f, poison=True)
+        for a, b in zip(got, want):
+            assert_same_bits(a.cpu(), b)
 
 
 @pytest.mark.parametrize("recipe", ["blockwise-e4m3", "mx-e5m2", "pertensor-e4m3"])
@@ -98,15 +117,17 @@ def test_opcheck_and_fake():
     x = torch.randn(t, h, device=DEV)
     probs = torch.rand(t, e, device=DEV)
     for n in (0, int(mask.sum()), int(mask.sum()) + 3):
-        rid = torch.ops.qmoe.make_row_id_map(mask, n, False, 1)
+        rid, fill = torch.ops.qmoe.make_row_id_map(mask, n, False, 1)
         for args in ((32, torch.float8_e4m3fn, "mx_floor", None),
                      (128, torch.float8_e5m2, "pow2", None),
                      (0, torch.float8_e4m3fn, "given", torch.tensor(0.05, device=DEV))):
             for p in (probs, None):
                 torch.library.opcheck(torch.ops.qmoe.quantize_permute.default,
                                       (x, rid, p, n, *args))
+            torch.library.opcheck(torch.ops.qmoe.quantize_permute.default,
+                                  (x, rid, probs, n, *args, fill))
     empty = torch.randn(0, h, device=DEV)
-    rid = torch.ops.qmoe.make_row_id_map(mask[:0], 0, False, 1)
+    rid, _ = torch.ops.qmoe.make_row_id_map(mask[:0], 0, False, 1)
     torch.library.opcheck(torch.ops.qmoe.quantize_permute.default,
                           (empty, rid, None, 0, 128, torch.float8_e4m3fn, "amax", None))
 

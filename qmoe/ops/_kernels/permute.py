@@ -1,7 +1,8 @@
 """Triton code for token permutation (launchers in ``qmoe/ops/backend.py``).
 
 Glossary: T tokens, H hidden, S slots per token in the row_id_map, N output rows,
-P columns of the probs tensor (E for a mask map, K for an index map).
+P columns of the probs tensor (E for a mask map, K for an index map), R row ranges in
+``fill`` (the rows no route writes), Z programs sharing the last of them.
 
 row_id_map layout (``qmoe/ops/row_id_map.py``): ``int32 [T, 2*S + 1]``; for token t the
 first ``n = map[t, 2S]`` entries are its output rows and ``map[t, S:S+n]`` the probs
@@ -16,20 +17,70 @@ from qmoe.tensors._kernels.quantize import fp8_bits_to_fp32
 
 
 @triton.jit
+def zero_fill_rows(
+    g,  # index of this program among the launch's fill programs, [0, R - 1 + Z)
+    fill_ptr,  # (R, 2) int32: row ranges [lo, hi) no route writes (row_id_map.py)
+    R,
+    Z,  # programs sharing the last range (the tail, which may be long)
+    N,
+    out_ptr,  # (N, H) rows to zero (any dtype), contiguous
+    H,
+    cols,  # this program's columns of a row (any shape), and their mask
+    cmask,
+    side_ptr,  # (N, NS) side rows to zero alike (if HAS_SIDE), contiguous
+    NS,
+    scols,  # side columns this program zeroes (any shape), and their mask
+    smask,
+    pp_ptr,  # (N,) permuted probs to zero (if HAS_P and first)
+    first,  # this program owns the row's probs
+    HAS_SIDE: tl.constexpr,
+    HAS_P: tl.constexpr,
+):
+    """Zero the output rows no route writes, inside the scatter launch: ranges 0..R-2 (a
+    padded map's padding, shorter than the alignment) take one program each, the last
+    range is split over Z programs. Rows are kept inside [0, N) whatever ``fill`` says."""
+    if g < R - 1:
+        lo = tl.load(fill_ptr + 2 * g).to(tl.int32)
+        hi = tl.load(fill_ptr + 2 * g + 1).to(tl.int32)
+    else:
+        t_lo = tl.maximum(tl.load(fill_ptr + 2 * (R - 1)).to(tl.int32), 0)
+        t_hi = tl.load(fill_ptr + 2 * (R - 1) + 1).to(tl.int32)
+        per = (t_hi - t_lo + Z - 1) // Z
+        lo = t_lo + (g - (R - 1)) * per
+        hi = tl.minimum(t_hi, lo + per)
+    lo = tl.maximum(lo, 0)
+    hi = tl.minimum(hi, N)
+    zero = tl.zeros(cols.shape, dtype=out_ptr.dtype.element_ty)
+    lo64 = lo.to(tl.int64)
+    for i in range(0, hi - lo):
+        r64 = lo64 + i
+        tl.store(out_ptr + r64 * H + cols, zero, mask=cmask)
+        if HAS_SIDE:
+            tl.store(side_ptr + r64 * NS + scols,
+                     tl.zeros(scols.shape, dtype=side_ptr.dtype.element_ty), mask=smask)
+        if HAS_P:
+            tl.store(pp_ptr + r64, tl.zeros((), dtype=pp_ptr.dtype.element_ty), mask=first)
+
+
+@triton.jit
 def permute_scatter_kernel(
     inp_ptr,  # (T, H) any dtype, row stride stride_in
     out_ptr,  # (N, H) same dtype, contiguous
     map_ptr,  # (T, 2S+1) int32
     w_ptr,  # (T, P) float weights, row stride stride_w (read only if HAS_W)
-    written_ptr,  # (N,) int8, zero-initialized: set to 1 for every row written
+    written_ptr,  # (N,) int8, zero-initialized: 1 for every row written (if not HAS_FILL)
+    fill_ptr,  # (R, 2) int32 row ranges no route writes (if HAS_FILL)
     p_ptr,  # (T, P) float probs, row stride stride_p (read only if HAS_P)
     pp_ptr,  # (N,) probs dtype out: the permuted probs (written only if HAS_P)
     side_ptr,  # (T, NS) side rows moved with the data, e.g. block scales (if HAS_SIDE)
     side_out_ptr,  # (N, NS) side rows out, contiguous (written only if HAS_SIDE)
+    T,
     N,
     H,
     S,
     NS,
+    R,
+    Z,
     stride_in,
     stride_w,
     stride_p,
@@ -37,16 +88,46 @@ def permute_scatter_kernel(
     HAS_W: tl.constexpr,
     HAS_P: tl.constexpr,
     HAS_SIDE: tl.constexpr,
+    HAS_FILL: tl.constexpr,
     KB: tl.constexpr,  # routes written per step (their rows are loaded together)
     BLOCK_H: tl.constexpr,
     BLOCK_S: tl.constexpr,  # >= NS when HAS_SIDE
 ):
-    """Read token t's row once; write it (times its weight, if HAS_W) to each of its rows,
-    and (if HAS_P) its probs, (if HAS_SIDE) its side row, to the same rows of ``pp`` and
-    ``side_out``."""
-    t = tl.program_id(0).to(tl.int64)
+    """Programs ``t < T``: read token t's row once; write it (times its weight, if HAS_W)
+    to each of its rows, and (if HAS_P) its probs, (if HAS_SIDE) its side row, to the same
+    rows of ``pp`` and ``side_out``. With HAS_FILL, programs ``t >= T`` zero the rows no
+    route writes (``zero_fill_rows``); without it, rows written are flagged in ``written``
+    for ``zero_rows_kernel``."""
+    pid = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = cols < H
+    if HAS_FILL:
+        if pid >= T:
+            sc = tl.arange(0, BLOCK_S)
+            first = tl.program_id(1) == 0
+            ns_here = tl.where(first, NS, 0)  # side rows: the first column block's job
+            zero_fill_rows(pid - T, fill_ptr, R, Z, N, out_ptr, H, cols, hmask, side_out_ptr,
+                           NS, sc, sc < ns_here, pp_ptr, first, HAS_SIDE, HAS_P)
+        else:
+            _scatter_token(pid.to(tl.int64), inp_ptr, out_ptr, map_ptr, w_ptr, written_ptr,
+                           p_ptr, pp_ptr, side_ptr, side_out_ptr, N, S, NS, H, cols, hmask,
+                           stride_in, stride_w, stride_p, stride_side, HAS_W, HAS_P, HAS_SIDE,
+                           False, KB, BLOCK_H, BLOCK_S)
+    else:
+        _scatter_token(pid.to(tl.int64), inp_ptr, out_ptr, map_ptr, w_ptr, written_ptr, p_ptr,
+                       pp_ptr, side_ptr, side_out_ptr, N, S, NS, H, cols, hmask, stride_in,
+                       stride_w, stride_p, stride_side, HAS_W, HAS_P, HAS_SIDE, True, KB,
+                       BLOCK_H, BLOCK_S)
+
+
+@triton.jit
+def _scatter_token(t, inp_ptr, out_ptr, map_ptr, w_ptr, written_ptr, p_ptr, pp_ptr, side_ptr,
+                   side_out_ptr, N, S, NS, H, cols, hmask, stride_in, stride_w, stride_p,
+                   stride_side, HAS_W: tl.constexpr, HAS_P: tl.constexpr,
+                   HAS_SIDE: tl.constexpr, FLAGS: tl.constexpr, KB: tl.constexpr,
+                   BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Token t's share of ``permute_scatter_kernel`` (arguments as there; FLAGS: mark
+    the rows written in ``written``)."""
     mrow = map_ptr + t * (2 * S + 1)
     # The count, the row and the first KB slots load together: the first stores wait for
     # one memory round trip, not two (most tokens have <= KB routes).
@@ -68,7 +149,8 @@ def permute_scatter_kernel(
             y = tl.broadcast_to(x[None, :], (KB, BLOCK_H))
         tl.store(out_ptr + d[:, None] * H + cols[None, :], y, mask=smask[:, None] & hmask[None, :])
         if tl.program_id(1) == 0:
-            tl.store(written_ptr + d, tl.full((KB,), 1, dtype=tl.int8), mask=smask)
+            if FLAGS:
+                tl.store(written_ptr + d, tl.full((KB,), 1, dtype=tl.int8), mask=smask)
             if HAS_P:
                 pc = tl.load(mrow + S + sl, mask=smask, other=0)
                 pv = tl.load(p_ptr + t * stride_p + pc, mask=smask, other=0.0)

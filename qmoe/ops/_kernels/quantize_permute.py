@@ -1,7 +1,8 @@
 """Triton code for the fused quantize-and-permute (launcher: ``qmoe/ops/quantize_permute.py``).
 
 Glossary: T tokens, H hidden, S map slots per token, N output rows, P probs columns,
-BS the scale block along H, NB = ceil(H / BS) blocks per row, GROUPS blocks per program.
+BS the scale block along H, NB = ceil(H / BS) blocks per row, GROUPS blocks per program,
+R row ranges in ``fill`` (rows no route writes), Z programs sharing the last one.
 
 A program reads one ``GROUPS * BS`` chunk of one token's high-precision row once,
 quantizes it with the same code as ``qmoe.quantize`` (``quantize_tile``: one scale per
@@ -12,6 +13,7 @@ output row of the token's routes. fp8 goes through ``uint8`` so the interpreter 
 import triton
 import triton.language as tl
 
+from qmoe.ops._kernels.permute import zero_fill_rows
 from qmoe.tensors._kernels.quantize import quantize_tile
 
 
@@ -23,11 +25,15 @@ def quantize_permute_kernel(
     map_ptr,  # (T, 2S+1) int32 row_id_map
     p_ptr,  # (T, P) float probs, row stride stride_p (read only if HAS_P)
     pp_ptr,  # (N,) probs dtype out: permuted probs (written only if HAS_P)
-    written_ptr,  # (N,) int8, zero-initialized: 1 for every row written
+    written_ptr,  # (N,) int8, zero-initialized: 1 for every row written (if not HAS_FILL)
+    fill_ptr,  # (R, 2) int32 row ranges no route writes (if HAS_FILL)
+    T,
     N,
     H,
     NB,
     S,
+    R,
+    Z,
     stride_x,
     stride_p,
     FP8_MAX: tl.constexpr,
@@ -38,14 +44,43 @@ def quantize_permute_kernel(
     BIAS: tl.constexpr,
     HW_CAST: tl.constexpr,
     HAS_P: tl.constexpr,
+    HAS_FILL: tl.constexpr,
     BS: tl.constexpr,
     GROUPS: tl.constexpr,
     KB: tl.constexpr,  # routes stored per step
 ):
-    t = tl.program_id(0).to(tl.int64)
+    """Programs ``t < T`` quantize and scatter token t's chunk; with HAS_FILL, programs
+    ``t >= T`` zero the rows no route writes (bits, scale blocks, probs)."""
+    pid = tl.program_id(0)
     pid_g = tl.program_id(1)
     blocks = pid_g * GROUPS + tl.arange(0, GROUPS)  # (GROUPS,)
     cols = blocks[:, None] * BS + tl.arange(0, BS)[None, :]  # (GROUPS, BS)
+    if HAS_FILL:
+        if pid >= T:
+            zero_fill_rows(pid - T, fill_ptr, R, Z, N, q_ptr, H, cols, cols < H, s_ptr, NB,
+                           blocks, blocks < NB, pp_ptr, pid_g == 0, SCALE_MODE != 3, HAS_P)
+        else:
+            _quantize_scatter_token(
+                pid.to(tl.int64), x_ptr, q_ptr, s_ptr, map_ptr, p_ptr, pp_ptr, written_ptr, N,
+                H, NB, S, stride_x, stride_p, blocks, cols, FP8_MAX, EMAX_ELEM, EPS,
+                SCALE_MODE, MB, BIAS, HW_CAST, HAS_P, False, KB, BS, GROUPS)
+    else:
+        _quantize_scatter_token(
+            pid.to(tl.int64), x_ptr, q_ptr, s_ptr, map_ptr, p_ptr, pp_ptr, written_ptr, N, H,
+            NB, S, stride_x, stride_p, blocks, cols, FP8_MAX, EMAX_ELEM, EPS, SCALE_MODE, MB,
+            BIAS, HW_CAST, HAS_P, True, KB, BS, GROUPS)
+
+
+@triton.jit
+def _quantize_scatter_token(
+    t, x_ptr, q_ptr, s_ptr, map_ptr, p_ptr, pp_ptr, written_ptr, N, H, NB, S, stride_x,
+    stride_p, blocks, cols, FP8_MAX: tl.constexpr, EMAX_ELEM: tl.constexpr,
+    EPS: tl.constexpr, SCALE_MODE: tl.constexpr, MB: tl.constexpr, BIAS: tl.constexpr,
+    HW_CAST: tl.constexpr, HAS_P: tl.constexpr, FLAGS: tl.constexpr, KB: tl.constexpr,
+    BS: tl.constexpr, GROUPS: tl.constexpr,
+):
+    """Token t's share of ``quantize_permute_kernel`` (FLAGS: mark rows in ``written``)."""
+    pid_g = tl.program_id(1)
     mask = (cols < H)[None, :, :]  # (1, GROUPS, BS)
     x = tl.load(x_ptr + t * stride_x + cols[None, :, :], mask=mask, other=0.0)
     q, stored = quantize_tile(x.to(tl.float32), s_ptr, FP8_MAX, EMAX_ELEM, EPS, SCALE_MODE,
@@ -69,7 +104,8 @@ def quantize_permute_kernel(
             tl.store(s_ptr + d64[:, None] * NB + blocks[None, :],
                      tl.broadcast_to(stored, (KB, GROUPS)), mask=keep[:, None] & smask)
         if pid_g == 0:
-            tl.store(written_ptr + d64, tl.full((KB,), 1, dtype=tl.int8), mask=keep)
+            if FLAGS:
+                tl.store(written_ptr + d64, tl.full((KB,), 1, dtype=tl.int8), mask=keep)
             if HAS_P:
                 c = tl.load(mrow + S + sl, mask=keep, other=0)
                 tl.store(pp_ptr + d64, tl.load(p_ptr + t * stride_p + c, mask=keep), mask=keep)

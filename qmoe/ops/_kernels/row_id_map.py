@@ -11,6 +11,7 @@ BLOCK_E = next_pow2(E), A the padding alignment. Launcher: ``qmoe/ops/row_id_map
    to A, exclusive cumsum over experts: a few hundred adds, cheaper than a launch), ranks
    its tokens inside the block (a cumsum down the tokens), drops rows ``>= N``, and packs
    each token's kept routes to the front of its map row (a cumsum across the experts).
+   Program 0 also writes ``fill``, the row ranges no route writes (``row_id_map.py``).
 """
 
 import triton
@@ -71,6 +72,7 @@ def mask_row_id_map_kernel(
     before_ptr,  # (NBLK, E) int32: tokens of earlier blocks, per expert
     total_ptr,  # (E,) int32: tokens per expert
     map_ptr,  # (T, 2E+1) int32 out
+    fill_ptr,  # (E+1, 2) int32 out if A > 1, else (1, 2): row ranges no route writes
     T,
     E,
     N,
@@ -103,3 +105,10 @@ def mask_row_id_map_kernel(
     tl.store(rowp + colsb, minus1, mask=fill)
     tl.store(rowp + E + colsb, minus1, mask=fill)
     tl.store(map_ptr + rows.to(tl.int64) * width + 2 * E, n, mask=rmask)
+    if blk == 0:  # fill: after each expert's rows its padding, then the tail (clipped to N)
+        ranges = E * (A > 1)  # one range per expert, padded maps only
+        tl.store(fill_ptr + 2 * cols, tl.minimum(start + total, N), mask=cols < ranges)
+        tl.store(fill_ptr + 2 * cols + 1, tl.minimum(start + padded, N), mask=cols < ranges)
+        tail = 2 * ranges  # then the tail, past the (padded) total
+        tl.store(fill_ptr + tail, tl.minimum(tl.sum(padded, axis=0), N))
+        tl.store(fill_ptr + tail + 1, N)
