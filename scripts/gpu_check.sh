@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then benchmarks; logs and JSON under $OUT.
 #   run: bash scripts/gpu_check.sh [pytest -k expression]
+#   QMOE_TESTS="tests/ops/test_kernels.py ..." narrows the test files (default: tests);
+#   QMOE_PYTEST_ARGS="-m 'not compile'" adds pytest arguments.
 # The GPU machine has torch and Triton but no network: nothing is installed here,
 # qmoe is used from the checkout through PYTHONPATH.
 set -uo pipefail
@@ -21,7 +23,7 @@ if ls wheels/torchao-*.whl > /dev/null 2>&1; then
 fi
 K=${1:-}
 export QMOE_GPU_CHECK=1
-python3 -m pytest tests -q -p no:cacheprovider -rfE --tb=short --durations=25 ${K:+-k "$K"} 2>&1 | tee "$OUT/tests.log" | grep -E "^(FAILED|ERROR)|passed|failed" | tail -40
+eval "python3 -m pytest ${QMOE_TESTS:-tests} -q -p no:cacheprovider -rfE --tb=short --durations=25 ${QMOE_PYTEST_ARGS:-}" ${K:+-k "$K"} 2>&1 | tee "$OUT/tests.log" | grep -E "^(FAILED|ERROR)|passed|failed" | tail -40
 echo "pytest rc=${PIPESTATUS[0]}" | tee -a "$OUT/tests.log"
 # QMOE_BENCHES="permute quantize sweep_permute" picks scripts (bench_<name>.py or <name>.py;
 # default: bench_permute and bench_quantize)

@@ -101,11 +101,17 @@ def _index_rows(routing_map: torch.Tensor, num_out_tokens: int) -> torch.Tensor:
 
 
 def _mask_rows_triton(
-    routing_map: torch.Tensor, num_out_tokens: int, align_size: int, tile: int = 4096
+    routing_map: torch.Tensor,
+    num_out_tokens: int,
+    align_size: int,
+    tile: int = 4096,
+    num_warps: int = 8,
 ):
     """``(row_id_map, fill)`` from three Triton launches over the mask (CUDA, or the
     interpreter). ``tile`` bounds the entries one program holds (tests shrink it to reach
-    many blocks and several scan steps with small inputs)."""
+    many blocks and several scan steps with small inputs); ``num_warps`` is the map pass's
+    (``benchmarks/sweep_map.py``: at 4096 entries, 4 warps need ~220 registers a thread
+    and leave 8 warps resident per SM; 8 warps ~125)."""
     import triton
 
     from qmoe.ops._kernels.row_id_map import (
@@ -134,7 +140,7 @@ def _mask_rows_triton(
     block_scan_kernel[(triton.cdiv(e, cols),)](counts, total, nblk, e, CHUNK_B=chunk, COLS=cols)
     mask_row_id_map_kernel[(nblk,)](
         m, counts, total, rid, fill, t, e, num_out_tokens, max(align_size, 1), m.stride(0),
-        BLOCK_T=bt, BLOCK_E=be,
+        BLOCK_T=bt, BLOCK_E=be, num_warps=num_warps,
     )
     return rid, fill
 

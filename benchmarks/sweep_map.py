@@ -1,0 +1,93 @@
+"""Where the time of a permute goes, kernel by kernel, and the mask-map tiling sweep.
+
+    python benchmarks/sweep_map.py [--out results.json] [--configs dsv3,qwen3next]
+
+1. ``make_row_id_map(mask)`` (three launches) for each map-pass tiling: entries per program
+   (``tile``) x ``num_warps``, replayed from a CUDA graph (median ms).
+2. A kernel-level breakdown (``torch.profiler``, CUDA time per call, averaged over 20 calls)
+   of: bf16 ``moe_permute`` end to end, the FP8 (blockwise) permute, the fused MXFP8
+   quantize-and-permute and the merge with probs, so the gap between a whole op and its
+   main kernel is measured rather than guessed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections import defaultdict
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_permute import CONFIGS  # noqa: E402
+from common import env_info, graph_median_ms, write_json  # noqa: E402
+
+import qmoe  # noqa: E402
+from qmoe.ops.row_id_map import _mask_rows_triton  # noqa: E402
+
+
+def kernel_breakdown(fn, iters: int = 20) -> dict[str, float]:
+    """CUDA time per call of each kernel ``fn`` launches (us), from the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    per = defaultdict(float)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            per[ev.name[:60]] += ev.device_time / iters
+    return {k: round(v, 2) for k, v in sorted(per.items(), key=lambda kv: -kv[1])}
+
+
+def run_config(name: str) -> dict:
+    t, h, e, k = CONFIGS[name]
+    n = t * k
+    dev = "cuda"
+    x = torch.randn(t, h, dtype=torch.bfloat16, device=dev)
+    ids = torch.rand(t, e, device=dev).argsort(dim=1)[:, :k]
+    mask = torch.zeros(t, e, dtype=torch.bool, device=dev).scatter_(1, ids, True)
+    probs = torch.rand(t, e, device=dev)
+    y = torch.randn(n, h, dtype=torch.bfloat16, device=dev)
+    out = {"config": name, "T": t, "H": h, "E": e, "K": k, "map": [], "breakdown": {}}
+    for tile in (2048, 4096, 8192):
+        for nw in (4, 8, 16):
+            ms = graph_median_ms(lambda tile=tile, nw=nw: _mask_rows_triton(mask, n, 1, tile, nw),
+                                 rep=60)
+            out["map"].append({"tile": tile, "num_warps": nw, "ms": round(ms, 4)})
+            print(f"{name} map tile={tile} nw={nw}: {ms:.4f} ms", file=sys.stderr)
+    _, rid = qmoe.moe_permute(x, mask, n)
+    q = qmoe.quantize(x, qmoe.Blockwise())
+    cases = {
+        "permute(mask) bf16": lambda: qmoe.moe_permute(x, mask, n),
+        "permute(mask) fp8 blockwise": lambda: qmoe.moe_permute(q, mask, n),
+        "fused mxfp8 quantize+permute": lambda: qmoe.moe_permute(x, mask, n,
+                                                                 quantize=qmoe.MXFP8()),
+        "unpermute(merging_probs) bf16": lambda: qmoe.moe_unpermute(y, rid, probs),
+    }
+    for case, fn in cases.items():
+        out["breakdown"][case] = kernel_breakdown(fn)
+        print(name, case, out["breakdown"][case], file=sys.stderr)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=None)
+    p.add_argument("--configs", default="dsv3,qwen3,qwen3next,mixtral,gptoss,small")
+    a = p.parse_args()
+    if not torch.cuda.is_available():
+        print("sweep_map: needs CUDA, skipped")
+        return
+    rows = [run_config(c) for c in a.configs.split(",")]
+    write_json(a.out, {"bench": "sweep_map", "env": env_info(), "results": rows})
+
+
+if __name__ == "__main__":
+    main()
