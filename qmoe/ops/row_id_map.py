@@ -105,13 +105,14 @@ def _mask_rows_triton(
     num_out_tokens: int,
     align_size: int,
     tile: int = 4096,
-    num_warps: int = 8,
+    num_warps: int = 4,
 ):
     """``(row_id_map, fill)`` from three Triton launches over the mask (CUDA, or the
     interpreter). ``tile`` bounds the entries one program holds (tests shrink it to reach
-    many blocks and several scan steps with small inputs); ``num_warps`` is the map pass's
-    (``benchmarks/sweep_map.py``: at 4096 entries, 4 warps need ~220 registers a thread
-    and leave 8 warps resident per SM; 8 warps ~125)."""
+    many blocks and several scan steps with small inputs); ``num_warps`` is the map pass's.
+    ``benchmarks/sweep_map.py`` on the H200 chose 4096 entries x 4 warps: best or within
+    1 us at dsv3, qwen3 and gptoss; 8 warps (half the registers a thread) was slower
+    everywhere but at 8192 entries."""
     import triton
 
     from qmoe.ops._kernels.row_id_map import (
