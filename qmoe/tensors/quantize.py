@@ -90,15 +90,30 @@ def _reference_blocks(x, block_size, fp8_dtype, scale_mode):
 
 
 def per_tensor_scale(x: torch.Tensor, recipe: PerTensor) -> torch.Tensor:
-    """The dynamic per-tensor scale ``max(amax, EPS) / fp8_max`` as a ``[]`` fp32 tensor."""
+    """The dynamic per-tensor scale ``max(amax, EPS) / fp8_max`` as a ``[]`` fp32 tensor
+    (not differentiable: ``x`` is detached). One custom op, so ``torch.compile`` runs this
+    same code: Inductor would fuse the division into its own Triton kernel, whose fp32
+    division is not correctly rounded (1 ulp off eager on CUDA, seen on the H200)."""
+    return torch.ops.qmoe.per_tensor_scale(
+        x.detach(), fp8_max(recipe.fp8_dtype), recipe.power_of_two_scale
+    )
+
+
+@define("per_tensor_scale(Tensor x, float fp8_max, bool pow2) -> Tensor")
+def _per_tensor_scale(x: torch.Tensor, fp8_max_value: float, pow2: bool) -> torch.Tensor:
     if x.numel() == 0:
         amax = x.new_zeros((), dtype=torch.float32)
     else:  # one read of x, no |x| temporary; NaN propagates
         amax = torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32)
     # Divided by a tensor, not a Python number: CUDA divides by a scalar as a multiply by
     # its reciprocal (1 ulp off the CPU's correctly rounded quotient at times).
-    s = amax.clamp(min=EPS) / torch.full_like(amax, fp8_max(recipe.fp8_dtype))
-    return _canonical_nan(_pow2_ceil(s) if recipe.power_of_two_scale else s)
+    s = amax.clamp(min=EPS) / torch.full_like(amax, fp8_max_value)
+    return _canonical_nan(_pow2_ceil(s) if pow2 else s)
+
+
+@_per_tensor_scale.register_fake
+def _(x, fp8_max_value, pow2):
+    return x.new_empty((), dtype=torch.float32)
 
 
 def quantize_reference(x: torch.Tensor, recipe: Recipe, scale: torch.Tensor | None = None):

@@ -56,6 +56,7 @@ def _cases():
         order = torch.tensor([2, 0, 1], device=DEV)
         p1 = torch.rand(t, device=DEV, requires_grad=True)
         yield f"sort_chunks-{t}", ops.sort_chunks.default, (x, sizes, order, None)
+        yield f"per_tensor_scale-{t}", ops.per_tensor_scale.default, (x.detach(), 448.0, False)
         yield f"sort_chunks_probs-{t}", ops.sort_chunks.default, (x, sizes, order, p1)
 
 
