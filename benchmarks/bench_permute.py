@@ -57,6 +57,21 @@ def torch_unpermute(y, order, w_flat, t, k):
     return acc.to(y.dtype)
 
 
+def use_swept_map_tiling(path: str) -> None:
+    """Replace ``map_tiling`` by the best tiling per (T, E) that ``sweep_map.py`` found."""
+    import json
+
+    from qmoe.ops import row_id_map as R
+
+    with open(path) as f:
+        swept = json.load(f)["results"]
+    best = {(r["T"], r["E"]): R.MapTiling(*(r["best_map"][f] for f in R.MapTiling._fields))
+            for r in swept}
+    default = R.map_tiling
+    R.map_tiling = lambda t, e: best.get((t, e)) or default(t, e)
+    print("map tilings:", best, file=sys.stderr)
+
+
 def run_config(name: str, copy_bw: float, dev: str = "cuda") -> list[dict]:
     rows = []
     t, h, e, k = CONFIGS[name]
@@ -136,7 +151,12 @@ def main() -> None:
     p.add_argument("--out", default=None)
     p.add_argument("--configs", default=",".join(c for c in CONFIGS if c != "tiny"))
     p.add_argument("--cpu-smoke", action="store_true", help="run the 'tiny' config on CPU")
+    p.add_argument("--map-tiling", default=None,
+                   help="sweep_map.py JSON: build mask maps with each config's best tiling "
+                        "instead of map_tiling()'s choice")
     a = p.parse_args()
+    if a.map_tiling:
+        use_swept_map_tiling(a.map_tiling)
     if a.cpu_smoke:
         rows = run_config("tiny", copy_bandwidth_gbs(1 << 26), "cpu")
         write_json(a.out, {"bench": "permute", "env": env_info(), "copy_GB/s": 0,

@@ -2,8 +2,9 @@
 
     python benchmarks/sweep_map.py [--out results.json] [--configs dsv3,qwen3next]
 
-1. ``make_row_id_map(mask)`` (three launches) for each map-pass tiling: entries per program
-   (``tile``) x ``num_warps``, replayed from a CUDA graph (median ms).
+1. ``make_row_id_map(mask)`` (three launches) for each ``MapTiling``: tokens per tile (2048
+   or 4096 entries), tiles per block (1, 4, 16: one row of counts per block) x map-pass
+   warps, replayed from a CUDA graph (median ms); the best goes in ``best_map``.
 2. A kernel-level breakdown (``torch.profiler``, CUDA time per call, averaged over 20 calls)
    of: bf16 ``moe_permute`` end to end, the FP8 (blockwise) permute, the fused MXFP8
    quantize-and-permute and the merge with probs, so the gap between a whole op and its
@@ -13,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 from collections import defaultdict
@@ -25,7 +27,7 @@ from bench_permute import CONFIGS  # noqa: E402
 from common import env_info, graph_median_ms, write_json  # noqa: E402
 
 import qmoe  # noqa: E402
-from qmoe.ops.row_id_map import _mask_rows_triton  # noqa: E402
+from qmoe.ops.row_id_map import MapTiling, _mask_rows_triton, map_tiling  # noqa: E402
 
 
 def kernel_breakdown(fn, iters: int = 20) -> dict[str, float]:
@@ -46,7 +48,7 @@ def kernel_breakdown(fn, iters: int = 20) -> dict[str, float]:
     return {k: round(v, 2) for k, v in sorted(per.items(), key=lambda kv: -kv[1])}
 
 
-def run_config(name: str) -> dict:
+def run_config(name: str, breakdown: bool = True) -> dict:
     t, h, e, k = CONFIGS[name]
     n = t * k
     dev = "cuda"
@@ -56,12 +58,20 @@ def run_config(name: str) -> dict:
     probs = torch.rand(t, e, device=dev)
     y = torch.randn(n, h, dtype=torch.bfloat16, device=dev)
     out = {"config": name, "T": t, "H": h, "E": e, "K": k, "map": [], "breakdown": {}}
-    for tile in (2048, 4096, 8192):
-        for nw in (4, 8, 16):
-            ms = graph_median_ms(lambda tile=tile, nw=nw: _mask_rows_triton(mask, n, 1, tile, nw),
+    be = 1 << (e - 1).bit_length()
+    for entries in (2048, 4096):
+        sub = max(1, min(64, entries // be))
+        # tiles per block x map-pass warps x prefill (tried at 4 warps only)
+        for blocks, nw, prefill in itertools.product((1, 4, 16), (4, 8), (False, True)):
+            if nw == 8 and prefill:
+                continue
+            tiling = MapTiling(sub * blocks, sub, nw, prefill)
+            ms = graph_median_ms(lambda tiling=tiling: _mask_rows_triton(mask, n, 1, tiling),
                                  rep=60)
-            out["map"].append({"tile": tile, "num_warps": nw, "ms": round(ms, 4)})
-            print(f"{name} map tile={tile} nw={nw}: {ms:.4f} ms", file=sys.stderr)
+            out["map"].append({**tiling._asdict(), "ms": round(ms, 4)})
+            print(f"{name} map {tiling}: {ms:.4f} ms", file=sys.stderr)
+    out["best_map"] = min(out["map"], key=lambda r: r["ms"])
+    out["default_map"] = {**map_tiling(t, e)._asdict()}
     _, rid = qmoe.moe_permute(x, mask, n)
     q = qmoe.quantize(x, qmoe.Blockwise())
     cases = {
@@ -71,7 +81,7 @@ def run_config(name: str) -> dict:
                                                                  quantize=qmoe.MXFP8()),
         "unpermute(merging_probs) bf16": lambda: qmoe.moe_unpermute(y, rid, probs),
     }
-    for case, fn in cases.items():
+    for case, fn in cases.items() if breakdown else ():
         out["breakdown"][case] = kernel_breakdown(fn)
         print(name, case, out["breakdown"][case], file=sys.stderr)
     return out
@@ -81,11 +91,12 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=None)
     p.add_argument("--configs", default="dsv3,qwen3,qwen3next,mixtral,gptoss,small")
+    p.add_argument("--no-breakdown", action="store_true", help="only the map sweep")
     a = p.parse_args()
     if not torch.cuda.is_available():
         print("sweep_map: needs CUDA, skipped")
         return
-    rows = [run_config(c) for c in a.configs.split(",")]
+    rows = [run_config(c, not a.no_breakdown) for c in a.configs.split(",")]
     write_json(a.out, {"bench": "sweep_map", "env": env_info(), "results": rows})
 
 

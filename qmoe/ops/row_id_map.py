@@ -28,6 +28,8 @@ mask map (after each expert's rows, its padding; then the tail past the padded t
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from qmoe._library import define
@@ -100,19 +102,40 @@ def _index_rows(routing_map: torch.Tensor, num_out_tokens: int) -> torch.Tensor:
     return torch.cat([dst, col, keep.sum(1, dtype=torch.int32)[:, None]], dim=1).contiguous()
 
 
+class MapTiling(NamedTuple):
+    """Launch shape of the mask-map kernels: ``block_t`` tokens per block (one row of
+    per-expert counts each; a multiple of ``sub_t``), ``sub_t`` tokens per ``[sub_t,
+    next_pow2(E)]`` register tile, ``num_warps`` of the map pass; ``prefill``: the -1
+    entries come from one ``fill_(-1)`` of the whole map before the map pass (which then
+    writes the kept entries only) instead of from the map pass's masked stores."""
+
+    block_t: int
+    sub_t: int
+    num_warps: int
+    prefill: bool = False
+
+
+def map_tiling(t: int, e: int) -> MapTiling:
+    """The tiling the launcher uses for a ``[T, E]`` mask: tiles of ~4096 entries (fewer
+    registers spill nothing; more leave too few warps resident), one tile per block, 4
+    warps (``benchmarks/sweep_map.py`` on the H200: 8 warps were slower)."""
+    sub = max(1, min(64, 4096 // _next_pow2(e)))
+    return MapTiling(sub, sub, 4)
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, x - 1).bit_length()
+
+
 def _mask_rows_triton(
     routing_map: torch.Tensor,
     num_out_tokens: int,
     align_size: int,
-    tile: int = 4096,
-    num_warps: int = 4,
+    tiling: MapTiling | None = None,
 ):
     """``(row_id_map, fill)`` from three Triton launches over the mask (CUDA, or the
-    interpreter). ``tile`` bounds the entries one program holds (tests shrink it to reach
-    many blocks and several scan steps with small inputs); ``num_warps`` is the map pass's.
-    ``benchmarks/sweep_map.py`` on the H200 chose 4096 entries x 4 warps: best or within
-    1 us at dsv3, qwen3 and gptoss; 8 warps (half the registers a thread) was slower
-    everywhere but at 8192 entries."""
+    interpreter). ``tiling`` overrides ``map_tiling`` (tests shrink it to reach many blocks
+    and several scan steps with small inputs; the sweep tries others)."""
     import triton
 
     from qmoe.ops._kernels.row_id_map import (
@@ -131,17 +154,22 @@ def _mask_rows_triton(
     if m.stride(1) != 1:
         m = m.contiguous()
     be = triton.next_power_of_2(e)
-    bt = max(1, min(64, tile // be))  # a [BLOCK_T, BLOCK_E] tile of <= ``tile`` entries
+    bt, sub, nw, prefill = tiling or map_tiling(t, e)
+    if bt % sub:
+        raise ValueError(f"map tiling: block_t={bt} must be a multiple of sub_t={sub}")
     nblk = triton.cdiv(t, bt)
     counts = torch.empty((nblk, e), dtype=torch.int32, device=m.device)
     total = torch.empty((e,), dtype=torch.int32, device=m.device)
-    mask_block_counts_kernel[(nblk,)](m, counts, t, e, m.stride(0), BLOCK_T=bt, BLOCK_E=be)
+    mask_block_counts_kernel[(nblk,)](m, counts, t, e, m.stride(0), BLOCK_T=bt, SUB_T=sub,
+                                      BLOCK_E=be)
     cols = min(be, max(1, triton.next_power_of_2(triton.cdiv(e, 128))))  # ~128 programs
-    chunk = max(1, min(triton.next_power_of_2(nblk), tile // cols))
+    chunk = max(1, min(triton.next_power_of_2(nblk), 4096 // cols))
     block_scan_kernel[(triton.cdiv(e, cols),)](counts, total, nblk, e, CHUNK_B=chunk, COLS=cols)
+    if prefill:
+        rid.fill_(-1)
     mask_row_id_map_kernel[(nblk,)](
         m, counts, total, rid, fill, t, e, num_out_tokens, max(align_size, 1), m.stride(0),
-        BLOCK_T=bt, BLOCK_E=be, num_warps=num_warps,
+        BLOCK_T=bt, SUB_T=sub, BLOCK_E=be, PREFILLED=prefill, num_warps=nw,
     )
     return rid, fill
 

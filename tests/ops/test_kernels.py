@@ -124,15 +124,20 @@ def test_mask_map_kernel_matches_torch(kdevice, t, e, k, kind, align):
             assert torch.equal(fill, fill_rows(counts, n, align))
 
 
-def test_mask_map_kernel_many_blocks_and_scan_steps(kdevice):
-    """A small tile: one token per block, and the block scan walks five chunks."""
-    from qmoe.ops.row_id_map import _mask_rows, _mask_rows_triton
+@pytest.mark.parametrize("tiling", [(1, 1, 4), (4, 2, 4), (32, 8, 8, True), (64, 64, 4)])
+def test_mask_map_kernel_tilings(kdevice, tiling):
+    """Blocks of one token (the block scan walks many chunks), blocks of several tiles,
+    a last block cut short (300 tokens), one tile per block, a map filled with -1 before
+    the map pass: the same map and fill."""
+    from qmoe.ops.row_id_map import MapTiling, _mask_rows, _mask_rows_triton, fill_rows
 
     ids, mask = routing(300, 40, 3, "sentinels", kdevice)
-    n = int(mask.sum()) - 7
-    for align in (1, 8):
-        got, _ = _mask_rows_triton(mask, n, align, tile=64)
-        assert torch.equal(got, _mask_rows(mask, n, align))
+    for n in (int(mask.sum()) - 7, int(mask.sum()) + 50):
+        for align in (1, 8):
+            got, fill = _mask_rows_triton(mask, n, align, MapTiling(*tiling))
+            assert torch.equal(got, _mask_rows(mask, n, align))
+            assert torch.equal(fill, fill_rows(mask.sum(0) if align > 1 else mask.sum(), n,
+                                               align))
 
 
 @pytest.mark.parametrize("recipe", [

@@ -64,7 +64,7 @@ def _launches():
     import qmoe
     from qmoe.ops import backend as B
     from qmoe.ops.quantize_permute import quantize_permute_triton
-    from qmoe.ops.row_id_map import _mask_rows_triton, make_row_id_map
+    from qmoe.ops.row_id_map import MapTiling, _mask_rows_triton, make_row_id_map
     from qmoe.tensors.quantize import quantize_rows_triton
     from tests.ops.helpers import routing
 
@@ -81,6 +81,7 @@ def _launches():
     n = int(mask.sum()) + 8
     for align in (1, 16):
         _mask_rows_triton(mask, n, align)
+    _mask_rows_triton(mask, n, 1, MapTiling(32, 8, 8, True))  # tiles per block; prefilled
     rid, fill = make_row_id_map(mask, n, False, 1)
     side = torch.rand(t, 2)
     for f in (None, fill):

@@ -1,7 +1,8 @@
 """Triton code building the mask-map row_id_map in three launches (no torch ops between).
 
-Glossary: T tokens, E experts, N output rows, NBLK blocks of BLOCK_T tokens,
-BLOCK_E = next_pow2(E), A the padding alignment. Launcher: ``qmoe/ops/row_id_map.py``.
+Glossary: T tokens, E experts, N output rows, NBLK blocks of BLOCK_T tokens (one row of
+counts each), processed in tiles of SUB_T tokens, BLOCK_E = next_pow2(E), A the padding
+alignment. Launcher: ``qmoe/ops/row_id_map.py``.
 
 1. ``mask_block_counts_kernel``: each block's token count per expert, ``[NBLK, E]``.
 2. ``block_scan_kernel``: per expert, the exclusive prefix of those counts over the
@@ -19,10 +20,10 @@ import triton.language as tl
 
 
 @triton.jit
-def _routed_tile(mask_ptr, blk, T, E, stride_t, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
-    """Block ``blk``'s ``[BLOCK_T, BLOCK_E]`` tile of the mask: ``(rows, cols, in-bounds,
-    routed as int32 0/1)``."""
-    rows = blk * BLOCK_T + tl.arange(0, BLOCK_T)
+def _routed_tile(mask_ptr, row0, T, E, stride_t, SUB_T: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Rows ``row0 .. row0 + SUB_T`` of the mask as a ``[SUB_T, BLOCK_E]`` tile: ``(rows,
+    cols, in-bounds, routed as int32 0/1)``."""
+    rows = row0 + tl.arange(0, SUB_T)
     cols = tl.arange(0, BLOCK_E)
     inb = (rows < T)[:, None] & (cols < E)[None, :]
     m = tl.load(mask_ptr + rows.to(tl.int64)[:, None] * stride_t + cols[None, :], mask=inb, other=0)
@@ -36,12 +37,17 @@ def mask_block_counts_kernel(
     T,
     E,
     stride_t,
-    BLOCK_T: tl.constexpr,
+    BLOCK_T: tl.constexpr,  # tokens per block (a row of counts)
+    SUB_T: tl.constexpr,  # tokens per tile (BLOCK_T is a multiple)
     BLOCK_E: tl.constexpr,
 ):
     blk = tl.program_id(0)
-    rows, cols, inb, mi = _routed_tile(mask_ptr, blk, T, E, stride_t, BLOCK_T, BLOCK_E)
-    tl.store(counts_ptr + blk.to(tl.int64) * E + cols, tl.sum(mi, axis=0), mask=cols < E)
+    cols = tl.arange(0, BLOCK_E)
+    acc = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    for t0 in range(0, BLOCK_T, SUB_T):
+        _, _, _, mi = _routed_tile(mask_ptr, blk * BLOCK_T + t0, T, E, stride_t, SUB_T, BLOCK_E)
+        acc += tl.sum(mi, axis=0)
+    tl.store(counts_ptr + blk.to(tl.int64) * E + cols, acc, mask=cols < E)
 
 
 @triton.jit
@@ -78,33 +84,40 @@ def mask_row_id_map_kernel(
     N,
     A,
     stride_t,
-    BLOCK_T: tl.constexpr,
+    BLOCK_T: tl.constexpr,  # tokens per block, as in mask_block_counts_kernel
+    SUB_T: tl.constexpr,  # tokens per tile
     BLOCK_E: tl.constexpr,
+    PREFILLED: tl.constexpr,  # the map arrives filled with -1: write the kept entries only
 ):
     blk = tl.program_id(0)
-    rows, cols, inb, mi = _routed_tile(mask_ptr, blk, T, E, stride_t, BLOCK_T, BLOCK_E)
+    cols = tl.arange(0, BLOCK_E)
     cmask = cols < E
-    rmask = rows < T
     total = tl.load(total_ptr + cols, mask=cmask, other=0)
     padded = (total + (A - 1)) // A * A
     start = tl.cumsum(padded, axis=0) - padded
-    before = tl.load(before_ptr + blk.to(tl.int64) * E + cols, mask=cmask, other=0)
-    rank = tl.cumsum(mi, axis=0) - mi  # earlier tokens of this block on the same expert
-    dst = (start + before)[None, :] + rank
-    keep = (mi != 0) & (dst < N)
-    ki = keep.to(tl.int32)
-    slot = tl.cumsum(ki, axis=1) - ki  # position among the token's kept routes
-    n = tl.sum(ki, axis=1)
+    # the next row of each expert: its start plus the tokens of earlier blocks and tiles
+    run = start + tl.load(before_ptr + blk.to(tl.int64) * E + cols, mask=cmask, other=0)
     width = 2 * E + 1
-    rowp = map_ptr + rows.to(tl.int64)[:, None] * width
-    colsb = cols[None, :] + tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.int32)
-    tl.store(rowp + slot, dst, mask=keep)
-    tl.store(rowp + E + slot, colsb, mask=keep)
-    fill = inb & (colsb >= n[:, None])
-    minus1 = tl.full((BLOCK_T, BLOCK_E), -1, dtype=tl.int32)
-    tl.store(rowp + colsb, minus1, mask=fill)
-    tl.store(rowp + E + colsb, minus1, mask=fill)
-    tl.store(map_ptr + rows.to(tl.int64) * width + 2 * E, n, mask=rmask)
+    minus1 = tl.full((SUB_T, BLOCK_E), -1, dtype=tl.int32)
+    for t0 in range(0, BLOCK_T, SUB_T):
+        rows, cols2, inb, mi = _routed_tile(mask_ptr, blk * BLOCK_T + t0, T, E, stride_t, SUB_T,
+                                            BLOCK_E)
+        rank = tl.cumsum(mi, axis=0) - mi  # earlier tokens of this tile on the same expert
+        dst = run[None, :] + rank
+        run += tl.sum(mi, axis=0)
+        keep = (mi != 0) & (dst < N)
+        ki = keep.to(tl.int32)
+        slot = tl.cumsum(ki, axis=1) - ki  # position among the token's kept routes
+        n = tl.sum(ki, axis=1)
+        rowp = map_ptr + rows.to(tl.int64)[:, None] * width
+        colsb = cols2[None, :] + tl.zeros((SUB_T, BLOCK_E), dtype=tl.int32)
+        tl.store(rowp + slot, dst, mask=keep)
+        tl.store(rowp + E + slot, colsb, mask=keep)
+        if not PREFILLED:
+            fill = inb & (colsb >= n[:, None])
+            tl.store(rowp + colsb, minus1, mask=fill)
+            tl.store(rowp + E + colsb, minus1, mask=fill)
+        tl.store(map_ptr + rows.to(tl.int64) * width + 2 * E, n, mask=rows < T)
     if blk == 0:  # fill: after each expert's rows its padding, then the tail (clipped to N)
         ranges = E * (A > 1)  # one range per expert, padded maps only
         tl.store(fill_ptr + 2 * cols, tl.minimum(start + total, N), mask=cols < ranges)
