@@ -96,8 +96,10 @@ def main() -> None:
     if not torch.cuda.is_available():
         print("sweep_map: needs CUDA, skipped")
         return
-    rows = [run_config(c, not a.no_breakdown) for c in a.configs.split(",")]
-    write_json(a.out, {"bench": "sweep_map", "env": env_info(), "results": rows})
+    rows = []
+    for c in a.configs.split(","):  # written after each config: a cut-off run keeps the rest
+        rows.append(run_config(c, not a.no_breakdown))
+        write_json(a.out, {"bench": "sweep_map", "env": env_info(), "results": rows})
 
 
 if __name__ == "__main__":
