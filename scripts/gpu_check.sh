@@ -23,7 +23,9 @@ if ls wheels/torchao-*.whl > /dev/null 2>&1; then
 fi
 K=${1:-}
 export QMOE_GPU_CHECK=1
-eval "python3 -m pytest ${QMOE_TESTS:-tests} -q -p no:cacheprovider -rfE --tb=short --durations=25 ${QMOE_PYTEST_ARGS:-}" ${K:+-k "$K"} 2>&1 | tee "$OUT/tests.log" | grep -E "^(FAILED|ERROR)|passed|failed" | tail -40
+# word-split QMOE_TESTS / QMOE_PYTEST_ARGS (eval: quotes inside them count), -k kept whole
+eval "set -- ${QMOE_TESTS:-tests} ${QMOE_PYTEST_ARGS:-}"
+python3 -m pytest "$@" -q -p no:cacheprovider -rfE --tb=short --durations=25 ${K:+-k "$K"} 2>&1 | tee "$OUT/tests.log" | grep -E "^(FAILED|ERROR)|passed|failed" | tail -40
 echo "pytest rc=${PIPESTATUS[0]}" | tee -a "$OUT/tests.log"
 # QMOE_BENCHES="permute quantize sweep_permute" picks scripts (bench_<name>.py or <name>.py;
 # default: bench_permute and bench_quantize)

@@ -116,9 +116,11 @@ class MapTiling(NamedTuple):
 
 
 def map_tiling(t: int, e: int) -> MapTiling:
-    """The tiling the launcher uses for a ``[T, E]`` mask: tiles of ~4096 entries (fewer
-    registers spill nothing; more leave too few warps resident), one tile per block, 4
-    warps (``benchmarks/sweep_map.py`` on the H200: 8 warps were slower)."""
+    """The tiling the launcher uses for a ``[T, E]`` mask: one tile of ~4096 entries per
+    block, 4 warps, no prefill. ``benchmarks/sweep_map.py`` on the H200 (docs/benchmarks.md)
+    found it best or within 1 us at dsv3, qwen3 and qwen3next: 8 warps, 2048-entry tiles,
+    several tiles per block and the prefill were all slower (the map pass is bound by each
+    tile's latency times the few programs its ~220 registers a thread leave resident)."""
     sub = max(1, min(64, 4096 // _next_pow2(e)))
     return MapTiling(sub, sub, 4)
 
