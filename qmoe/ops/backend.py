@@ -101,10 +101,10 @@ def permute_rows(
     sd, so = (side, side_out) if has_s else (written, written)
     ns = side.shape[1] if has_s else 0
     bs = triton.next_power_of_2(max(ns, 1))
-    r, z = (fill.shape[0], fill_programs(n)) if has_f else (0, 0)
-    if t > 0 or has_f:
+    progs, r, z = scatter_programs(t, n, fill)
+    if progs:
         w = weights if weights is not None else x
-        permute_scatter_kernel[(t + max(r - 1 + z, 0), triton.cdiv(max(h, 1), bh))](
+        permute_scatter_kernel[(progs, triton.cdiv(max(h, 1), bh))](
             x, out, rid, w, written, fill if has_f else written, p, pp, sd, so, t, n, h,
             num_slots(rid), ns, r, z, x.stride(0), w.stride(0), p.stride(0) if has_p else 0,
             side.stride(0) if has_s else 0, HAS_W=weights is not None, HAS_P=has_p,
@@ -118,10 +118,14 @@ def permute_rows(
     return out
 
 
-def fill_programs(n: int) -> int:
-    """Z: programs of a scatter launch that share the zeroing of the rows past the last
-    route (a tail of up to N rows; empty ones cost a load and exit)."""
-    return max(1, min(256, triton.cdiv(n, 64)))
+def scatter_programs(t: int, n: int, fill: torch.Tensor | None) -> tuple[int, int, int]:
+    """``(programs along axis 0, R, Z)`` of a scatter launch: T token programs, then, with
+    ``fill`` (``[R, 2]``), one program per padding range and Z sharing the last range (the
+    tail of up to N rows; empty ones cost a load and exit)."""
+    if fill is None:
+        return t, 0, 0
+    r, z = fill.shape[0], max(1, min(256, triton.cdiv(n, 64)))
+    return t + r - 1 + z, r, z
 
 
 def unpermute_rows(

@@ -56,7 +56,7 @@ def quantize_permute_triton(x, rid, probs, n, block_size, fp8_dtype, scale_mode,
     with 0xFF bytes first, so a row the kernel misses shows."""
     from qmoe.ops._kernels.permute import zero_rows_kernel
     from qmoe.ops._kernels.quantize_permute import quantize_permute_kernel
-    from qmoe.ops.backend import fill_programs
+    from qmoe.ops.backend import scatter_programs
 
     t, h = x.shape
     if h == 0:
@@ -85,9 +85,9 @@ def quantize_permute_triton(x, rid, probs, n, block_size, fp8_dtype, scale_mode,
         tile = 4096 if h >= 4096 else 1024
     groups = max(1, min(tile // bs, triton.next_power_of_2(nb)))
     e4m3 = fp8_dtype == torch.float8_e4m3fn
-    r, z = (fill.shape[0], fill_programs(n)) if has_f else (0, 0)
-    if t > 0 or has_f:
-        quantize_permute_kernel[(t + max(r - 1 + z, 0), triton.cdiv(nb, groups))](
+    progs, r, z = scatter_programs(t, n, fill)
+    if progs:
+        quantize_permute_kernel[(progs, triton.cdiv(nb, groups))](
             x, q, s_out, rid, probs if has_p else x, pp if has_p else written, written,
             fill if has_f else written, t, n, h, nb, num_slots(rid), r, z, x.stride(0),
             probs.stride(0) if has_p else 0,

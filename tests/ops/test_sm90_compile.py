@@ -63,6 +63,7 @@ def _launches():
 
     import qmoe
     from qmoe.ops import backend as B
+    from qmoe.ops.fp8 import _bits, _layout
     from qmoe.ops.quantize_permute import quantize_permute_triton
     from qmoe.ops.row_id_map import MapTiling, _mask_rows_triton, make_row_id_map
     from qmoe.tensors.quantize import quantize_rows_triton
@@ -98,8 +99,6 @@ def _launches():
     for recipe in (qmoe.PerTensor(), qmoe.Blockwise(), qmoe.MXFP8(),
                    qmoe.MXFP8(fp8_dtype=torch.float8_e5m2)):
         q = qmoe.quantize(y.float(), recipe)
-        from qmoe.ops.fp8 import _bits, _layout
-
         B.unpermute_fp8_rows(_bits(q), q.raw_scale, _layout(q), q.block_size or 0,
                              q.fp8_dtype, rid, probs, torch.bfloat16, use_triton=True)
     for bs, mode in ((128, "amax"), (128, "pow2"), (32, "mx_floor")):

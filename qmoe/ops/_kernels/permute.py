@@ -101,23 +101,18 @@ def permute_scatter_kernel(
     pid = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = cols < H
-    if HAS_FILL:
-        if pid >= T:
+    if pid >= T:  # fill programs (the grid holds only the T token programs without fill)
+        if HAS_FILL:
             sc = tl.arange(0, BLOCK_S)
             first = tl.program_id(1) == 0
             ns_here = tl.where(first, NS, 0)  # side rows: the first column block's job
             zero_fill_rows(pid - T, fill_ptr, R, Z, N, out_ptr, H, cols, hmask, side_out_ptr,
                            NS, sc, sc < ns_here, pp_ptr, first, HAS_SIDE, HAS_P)
-        else:
-            _scatter_token(pid.to(tl.int64), inp_ptr, out_ptr, map_ptr, w_ptr, written_ptr,
-                           p_ptr, pp_ptr, side_ptr, side_out_ptr, N, S, NS, H, cols, hmask,
-                           stride_in, stride_w, stride_p, stride_side, HAS_W, HAS_P, HAS_SIDE,
-                           False, KB, BLOCK_H, BLOCK_S)
     else:
         _scatter_token(pid.to(tl.int64), inp_ptr, out_ptr, map_ptr, w_ptr, written_ptr, p_ptr,
                        pp_ptr, side_ptr, side_out_ptr, N, S, NS, H, cols, hmask, stride_in,
-                       stride_w, stride_p, stride_side, HAS_W, HAS_P, HAS_SIDE, True, KB,
-                       BLOCK_H, BLOCK_S)
+                       stride_w, stride_p, stride_side, HAS_W, HAS_P, HAS_SIDE, not HAS_FILL,
+                       KB, BLOCK_H, BLOCK_S)
 
 
 @triton.jit

@@ -55,20 +55,15 @@ def quantize_permute_kernel(
     pid_g = tl.program_id(1)
     blocks = pid_g * GROUPS + tl.arange(0, GROUPS)  # (GROUPS,)
     cols = blocks[:, None] * BS + tl.arange(0, BS)[None, :]  # (GROUPS, BS)
-    if HAS_FILL:
-        if pid >= T:
+    if pid >= T:  # fill programs (the grid holds only the T token programs without fill)
+        if HAS_FILL:
             zero_fill_rows(pid - T, fill_ptr, R, Z, N, q_ptr, H, cols, cols < H, s_ptr, NB,
                            blocks, blocks < NB, pp_ptr, pid_g == 0, SCALE_MODE != 3, HAS_P)
-        else:
-            _quantize_scatter_token(
-                pid.to(tl.int64), x_ptr, q_ptr, s_ptr, map_ptr, p_ptr, pp_ptr, written_ptr, N,
-                H, NB, S, stride_x, stride_p, blocks, cols, FP8_MAX, EMAX_ELEM, EPS,
-                SCALE_MODE, MB, BIAS, HW_CAST, HAS_P, False, KB, BS, GROUPS)
     else:
         _quantize_scatter_token(
             pid.to(tl.int64), x_ptr, q_ptr, s_ptr, map_ptr, p_ptr, pp_ptr, written_ptr, N, H,
             NB, S, stride_x, stride_p, blocks, cols, FP8_MAX, EMAX_ELEM, EPS, SCALE_MODE, MB,
-            BIAS, HW_CAST, HAS_P, True, KB, BS, GROUPS)
+            BIAS, HW_CAST, HAS_P, not HAS_FILL, KB, BS, GROUPS)
 
 
 @triton.jit
