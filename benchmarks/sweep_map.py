@@ -2,9 +2,10 @@
 
     python benchmarks/sweep_map.py [--out results.json] [--configs dsv3,qwen3next]
 
-1. ``make_row_id_map(mask)`` (three launches) for each ``MapTiling``: tokens per tile (2048
-   or 4096 entries), tiles per block (1, 4, 16: one row of counts per block) x map-pass
-   warps, replayed from a CUDA graph (median ms); the best goes in ``best_map``.
+1. ``make_row_id_map(mask)`` (three launches) for each ``MapTiling``: tokens per block (8
+   to 32: one row of counts per block) x warps (half, the default, twice) x rows the map
+   pass loads ahead (2 or all), replayed from a CUDA graph (median ms); the best goes in
+   ``best_map``.
 2. A kernel-level breakdown (``torch.profiler``, CUDA time per call, averaged over 20 calls)
    of: bf16 ``moe_permute`` end to end, the FP8 (blockwise) permute, the fused MXFP8
    quantize-and-permute and the merge with probs, so the gap between a whole op and its
@@ -58,18 +59,14 @@ def run_config(name: str, breakdown: bool = True) -> dict:
     probs = torch.rand(t, e, device=dev)
     y = torch.randn(n, h, dtype=torch.bfloat16, device=dev)
     out = {"config": name, "T": t, "H": h, "E": e, "K": k, "map": [], "breakdown": {}}
-    be = 1 << (e - 1).bit_length()
-    for entries in (2048, 4096):
-        sub = max(1, min(64, entries // be))
-        # tiles per block x map-pass warps x prefill (tried at 4 warps only)
-        for blocks, nw, prefill in itertools.product((1, 4, 16), (4, 8), (False, True)):
-            if nw == 8 and prefill:
-                continue
-            tiling = MapTiling(sub * blocks, sub, nw, prefill)
-            ms = graph_median_ms(lambda tiling=tiling: _mask_rows_triton(mask, n, 1, tiling),
-                                 rep=60)
-            out["map"].append({**tiling._asdict(), "ms": round(ms, 4)})
-            print(f"{name} map {tiling}: {ms:.4f} ms", file=sys.stderr)
+    nw0 = map_tiling(t, e).num_warps
+    warps = sorted({max(1, nw0 // 2), nw0, min(8, nw0 * 2)})
+    # tokens per block x warps x rows loaded ahead (2, or the whole block)
+    for bt, nw, ahead in itertools.product((8, 16, 32), warps, (2, 32)):
+        tiling = MapTiling(bt, nw, min(ahead, bt))
+        ms = graph_median_ms(lambda tiling=tiling: _mask_rows_triton(mask, n, 1, tiling), rep=60)
+        out["map"].append({**tiling._asdict(), "ms": round(ms, 4)})
+        print(f"{name} map {tiling}: {ms:.4f} ms", file=sys.stderr)
     out["best_map"] = min(out["map"], key=lambda r: r["ms"])
     out["default_map"] = {**map_tiling(t, e)._asdict()}
     _, rid = qmoe.moe_permute(x, mask, n)

@@ -103,26 +103,20 @@ def _index_rows(routing_map: torch.Tensor, num_out_tokens: int) -> torch.Tensor:
 
 
 class MapTiling(NamedTuple):
-    """Launch shape of the mask-map kernels: ``block_t`` tokens per block (one row of
-    per-expert counts each; a multiple of ``sub_t``), ``sub_t`` tokens per ``[sub_t,
-    next_pow2(E)]`` register tile, ``num_warps`` of the map pass; ``prefill``: the -1
-    entries come from one ``fill_(-1)`` of the whole map before the map pass (which then
-    writes the kept entries only) instead of from the map pass's masked stores."""
+    """Launch shape of the mask-map kernels: ``block_t`` tokens per block (one program of
+    the count and map passes, one row of per-expert counts), walked one token row at a
+    time; ``num_warps`` of both passes; the map pass loads ``prefetch`` rows ahead."""
 
     block_t: int
-    sub_t: int
     num_warps: int
-    prefill: bool = False
+    prefetch: int = 4
 
 
 def map_tiling(t: int, e: int) -> MapTiling:
-    """The tiling the launcher uses for a ``[T, E]`` mask: one tile of ~4096 entries per
-    block, 4 warps, no prefill. ``benchmarks/sweep_map.py`` on the H200 (docs/benchmarks.md)
-    found it best or within 1 us at dsv3, qwen3 and qwen3next: 8 warps, 2048-entry tiles,
-    several tiles per block and the prefill were all slower (the map pass is bound by each
-    tile's latency times the few programs its ~220 registers a thread leave resident)."""
-    sub = max(1, min(64, 4096 // _next_pow2(e)))
-    return MapTiling(sub, sub, 4)
+    """The tiling the launcher uses for a ``[T, E]`` mask: ~4 experts a thread (rows of
+    ``next_pow2(E)`` int32 over 1 to 8 warps) and 16 tokens a block."""
+    be = _next_pow2(e)
+    return MapTiling(16, max(1, min(8, be // 128)))
 
 
 def _next_pow2(x: int) -> int:
@@ -156,22 +150,18 @@ def _mask_rows_triton(
     if m.stride(1) != 1:
         m = m.contiguous()
     be = triton.next_power_of_2(e)
-    bt, sub, nw, prefill = tiling or map_tiling(t, e)
-    if bt % sub:
-        raise ValueError(f"map tiling: block_t={bt} must be a multiple of sub_t={sub}")
+    bt, nw, pf = tiling or map_tiling(t, e)
     nblk = triton.cdiv(t, bt)
     counts = torch.empty((nblk, e), dtype=torch.int32, device=m.device)
     total = torch.empty((e,), dtype=torch.int32, device=m.device)
-    mask_block_counts_kernel[(nblk,)](m, counts, t, e, m.stride(0), BLOCK_T=bt, SUB_T=sub,
-                                      BLOCK_E=be)
+    mask_block_counts_kernel[(nblk,)](m, counts, t, e, m.stride(0), BLOCK_T=bt, BLOCK_E=be,
+                                      num_warps=nw)
     cols = min(be, max(1, triton.next_power_of_2(triton.cdiv(e, 128))))  # ~128 programs
     chunk = max(1, min(triton.next_power_of_2(nblk), 4096 // cols))
     block_scan_kernel[(triton.cdiv(e, cols),)](counts, total, nblk, e, CHUNK_B=chunk, COLS=cols)
-    if prefill:
-        rid.fill_(-1)
     mask_row_id_map_kernel[(nblk,)](
         m, counts, total, rid, fill, t, e, num_out_tokens, max(align_size, 1), m.stride(0),
-        BLOCK_T=bt, SUB_T=sub, BLOCK_E=be, PREFILLED=prefill, num_warps=nw,
+        BLOCK_T=bt, BLOCK_E=be, PREFETCH=min(pf, bt), num_warps=nw,
     )
     return rid, fill
 

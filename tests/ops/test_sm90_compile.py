@@ -82,7 +82,7 @@ def _launches():
     n = int(mask.sum()) + 8
     for align in (1, 16):
         _mask_rows_triton(mask, n, align)
-    _mask_rows_triton(mask, n, 1, MapTiling(32, 8, 8, True))  # tiles per block; prefilled
+    _mask_rows_triton(mask, n, 1, MapTiling(32, 8, 32))  # every row loaded up front
     rid, fill = make_row_id_map(mask, n, False, 1)
     side = torch.rand(t, 2)
     for f in (None, fill):

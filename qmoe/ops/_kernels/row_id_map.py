@@ -1,8 +1,11 @@
 """Triton code building the mask-map row_id_map in three launches (no torch ops between).
 
 Glossary: T tokens, E experts, N output rows, NBLK blocks of BLOCK_T tokens (one row of
-counts each), processed in tiles of SUB_T tokens, BLOCK_E = next_pow2(E), A the padding
-alignment. Launcher: ``qmoe/ops/row_id_map.py``.
+counts each), BLOCK_E = next_pow2(E), A the padding alignment. Launcher:
+``qmoe/ops/row_id_map.py``. Both mask passes walk a block one token row at a time, as 1D
+``[BLOCK_E]`` vectors (unrolled, so the row loads issue together): a token's rank inside
+the block is a running count per expert kept in registers, and the only cross-thread step
+is the scan across one row's experts.
 
 1. ``mask_block_counts_kernel``: each block's token count per expert, ``[NBLK, E]``.
 2. ``block_scan_kernel``: per expert, the exclusive prefix of those counts over the
@@ -10,7 +13,7 @@ alignment. Launcher: ``qmoe/ops/row_id_map.py``.
    Programs own a few experts each and walk the blocks, so the pass is parallel.
 3. ``mask_row_id_map_kernel``: every program turns the totals into expert starts (padded
    to A, exclusive cumsum over experts: a few hundred adds, cheaper than a launch), ranks
-   its tokens inside the block (a cumsum down the tokens), drops rows ``>= N``, and packs
+   its tokens inside the block (the running count), drops rows ``>= N``, and packs
    each token's kept routes to the front of its map row (a cumsum across the experts).
    Program 0 also writes ``fill``, the row ranges no route writes (``row_id_map.py``).
 """
@@ -20,14 +23,11 @@ import triton.language as tl
 
 
 @triton.jit
-def _routed_tile(mask_ptr, row0, T, E, stride_t, SUB_T: tl.constexpr, BLOCK_E: tl.constexpr):
-    """Rows ``row0 .. row0 + SUB_T`` of the mask as a ``[SUB_T, BLOCK_E]`` tile: ``(rows,
-    cols, in-bounds, routed as int32 0/1)``."""
-    rows = row0 + tl.arange(0, SUB_T)
-    cols = tl.arange(0, BLOCK_E)
-    inb = (rows < T)[:, None] & (cols < E)[None, :]
-    m = tl.load(mask_ptr + rows.to(tl.int64)[:, None] * stride_t + cols[None, :], mask=inb, other=0)
-    return rows, cols, inb, ((m != 0) & inb).to(tl.int32)
+def _mask_row(mask_ptr, t, T, E, stride_t, cols):
+    """Token t's mask row as int32 0/1 over ``cols`` (zeros past E or when t >= T)."""
+    width = tl.where(t < T, E, 0)  # one compare per entry: past T the row is empty
+    m = tl.load(mask_ptr + t.to(tl.int64) * stride_t + cols, mask=cols < width, other=0)
+    return (m != 0).to(tl.int32)
 
 
 @triton.jit
@@ -38,15 +38,13 @@ def mask_block_counts_kernel(
     E,
     stride_t,
     BLOCK_T: tl.constexpr,  # tokens per block (a row of counts)
-    SUB_T: tl.constexpr,  # tokens per tile (BLOCK_T is a multiple)
     BLOCK_E: tl.constexpr,
 ):
     blk = tl.program_id(0)
     cols = tl.arange(0, BLOCK_E)
     acc = tl.zeros((BLOCK_E,), dtype=tl.int32)
-    for t0 in range(0, BLOCK_T, SUB_T):
-        _, _, _, mi = _routed_tile(mask_ptr, blk * BLOCK_T + t0, T, E, stride_t, SUB_T, BLOCK_E)
-        acc += tl.sum(mi, axis=0)
+    for i in tl.static_range(BLOCK_T):  # unrolled: the row loads issue together
+        acc += _mask_row(mask_ptr, blk * BLOCK_T + i, T, E, stride_t, cols)
     tl.store(counts_ptr + blk.to(tl.int64) * E + cols, acc, mask=cols < E)
 
 
@@ -85,9 +83,8 @@ def mask_row_id_map_kernel(
     A,
     stride_t,
     BLOCK_T: tl.constexpr,  # tokens per block, as in mask_block_counts_kernel
-    SUB_T: tl.constexpr,  # tokens per tile
     BLOCK_E: tl.constexpr,
-    PREFILLED: tl.constexpr,  # the map arrives filled with -1: write the kept entries only
+    PREFETCH: tl.constexpr,  # rows loaded ahead of the one being worked on (1..BLOCK_T)
 ):
     blk = tl.program_id(0)
     cols = tl.arange(0, BLOCK_E)
@@ -95,29 +92,34 @@ def mask_row_id_map_kernel(
     total = tl.load(total_ptr + cols, mask=cmask, other=0)
     padded = (total + (A - 1)) // A * A
     start = tl.cumsum(padded, axis=0) - padded
-    # the next row of each expert: its start plus the tokens of earlier blocks and tiles
+    # the next row of each expert: its start plus the tokens of earlier blocks and rows
     run = start + tl.load(before_ptr + blk.to(tl.int64) * E + cols, mask=cmask, other=0)
     width = 2 * E + 1
-    minus1 = tl.full((SUB_T, BLOCK_E), -1, dtype=tl.int32)
-    for t0 in range(0, BLOCK_T, SUB_T):
-        rows, cols2, inb, mi = _routed_tile(mask_ptr, blk * BLOCK_T + t0, T, E, stride_t, SUB_T,
-                                            BLOCK_E)
-        rank = tl.cumsum(mi, axis=0) - mi  # earlier tokens of this tile on the same expert
-        dst = run[None, :] + rank
-        run += tl.sum(mi, axis=0)
-        keep = (mi != 0) & (dst < N)
+    minus1 = tl.full((BLOCK_E,), -1, dtype=tl.int32)
+    t0 = blk * BLOCK_T
+    # Load PREFETCH rows ahead of the work (the scans' barriers keep the compiler from
+    # hoisting loads, so each row would otherwise wait a full memory round trip).
+    ahead = ()
+    for i in tl.static_range(PREFETCH):
+        ahead = ahead + (_mask_row(mask_ptr, t0 + i, T, E, stride_t, cols),)
+    for i in tl.static_range(BLOCK_T):
+        t = t0 + i
+        mi = ahead[i]
+        if i + PREFETCH < BLOCK_T:
+            ahead = ahead + (_mask_row(mask_ptr, t0 + i + PREFETCH, T, E, stride_t, cols),)
+        keep = (mi != 0) & (run < N)
         ki = keep.to(tl.int32)
-        slot = tl.cumsum(ki, axis=1) - ki  # position among the token's kept routes
-        n = tl.sum(ki, axis=1)
-        rowp = map_ptr + rows.to(tl.int64)[:, None] * width
-        colsb = cols2[None, :] + tl.zeros((SUB_T, BLOCK_E), dtype=tl.int32)
-        tl.store(rowp + slot, dst, mask=keep)
-        tl.store(rowp + E + slot, colsb, mask=keep)
-        if not PREFILLED:
-            fill = inb & (colsb >= n[:, None])
-            tl.store(rowp + colsb, minus1, mask=fill)
-            tl.store(rowp + E + colsb, minus1, mask=fill)
-        tl.store(map_ptr + rows.to(tl.int64) * width + 2 * E, n, mask=rows < T)
+        slot = tl.cumsum(ki, axis=0) - ki  # position among the token's kept routes
+        n = tl.sum(ki, axis=0)
+        if t < T:
+            rowp = map_ptr + t.to(tl.int64) * width
+            tl.store(rowp + slot, run, mask=keep)
+            tl.store(rowp + E + slot, cols, mask=keep)
+            fill = cmask & (cols >= n)
+            tl.store(rowp + cols, minus1, mask=fill)
+            tl.store(rowp + E + cols, minus1, mask=fill)
+            tl.store(rowp + 2 * E, n)
+        run += mi
     if blk == 0:  # fill: after each expert's rows its padding, then the tail (clipped to N)
         ranges = E * (A > 1)  # one range per expert, padded maps only
         tl.store(fill_ptr + 2 * cols, tl.minimum(start + total, N), mask=cols < ranges)
