@@ -2,10 +2,10 @@
 
     python benchmarks/sweep_map.py [--out results.json] [--configs dsv3,qwen3next]
 
-1. ``make_row_id_map(mask)`` (three launches) for each ``MapTiling``: tokens per block (8
-   to 32: one row of counts per block) x warps (half, the default, twice) x rows the map
-   pass loads ahead (2 or all), replayed from a CUDA graph (median ms); the best goes in
-   ``best_map``.
+1. ``make_row_id_map(mask)`` (three launches) for each ``MapTiling``: tokens per block
+   (``--block-t``, 8 to 32 by default: one row of counts per block) x warps (half, the
+   default, twice) x rows the map pass loads ahead (``--prefetch``, 2 or all), replayed
+   from a CUDA graph (median ms); the best goes in ``best_map``.
 2. A kernel-level breakdown (``torch.profiler``, CUDA time per call, averaged over 20 calls)
    of: bf16 ``moe_permute`` end to end, the FP8 (blockwise) permute, the fused MXFP8
    quantize-and-permute and the merge with probs, so the gap between a whole op and its
@@ -49,7 +49,8 @@ def kernel_breakdown(fn, iters: int = 20) -> dict[str, float]:
     return {k: round(v, 2) for k, v in sorted(per.items(), key=lambda kv: -kv[1])}
 
 
-def run_config(name: str, breakdown: bool = True) -> dict:
+def run_config(name: str, breakdown: bool = True, block_ts=(8, 16, 32),
+               aheads=(2, 32), all_warps: bool = True) -> dict:
     t, h, e, k = CONFIGS[name]
     n = t * k
     dev = "cuda"
@@ -60,10 +61,11 @@ def run_config(name: str, breakdown: bool = True) -> dict:
     y = torch.randn(n, h, dtype=torch.bfloat16, device=dev)
     out = {"config": name, "T": t, "H": h, "E": e, "K": k, "map": [], "breakdown": {}}
     nw0 = map_tiling(t, e).num_warps
-    warps = sorted({max(1, nw0 // 2), nw0, min(8, nw0 * 2)})
+    warps = sorted({max(1, nw0 // 2), nw0, min(8, nw0 * 2)}) if all_warps else [nw0]
     # tokens per block x warps x rows loaded ahead (2, or the whole block)
-    for bt, nw, ahead in itertools.product((8, 16, 32), warps, (2, 32)):
-        tiling = MapTiling(bt, nw, min(ahead, bt))
+    tilings = dict.fromkeys(MapTiling(bt, nw, min(ahead, bt))
+                            for bt, nw, ahead in itertools.product(block_ts, warps, aheads))
+    for tiling in tilings:
         ms = graph_median_ms(lambda tiling=tiling: _mask_rows_triton(mask, n, 1, tiling), rep=60)
         out["map"].append({**tiling._asdict(), "ms": round(ms, 4)})
         print(f"{name} map {tiling}: {ms:.4f} ms", file=sys.stderr)
@@ -89,13 +91,19 @@ def main() -> None:
     p.add_argument("--out", default=None)
     p.add_argument("--configs", default="dsv3,qwen3,qwen3next,mixtral,gptoss,small")
     p.add_argument("--no-breakdown", action="store_true", help="only the map sweep")
+    p.add_argument("--block-t", default="8,16,32", help="tokens per block to try")
+    p.add_argument("--prefetch", default="2,32", help="rows loaded ahead to try (capped)")
+    p.add_argument("--default-warps", action="store_true", help="only map_tiling's warps")
     a = p.parse_args()
     if not torch.cuda.is_available():
         print("sweep_map: needs CUDA, skipped")
         return
     rows = []
     for c in a.configs.split(","):  # written after each config: a cut-off run keeps the rest
-        rows.append(run_config(c, not a.no_breakdown))
+        rows.append(run_config(c, not a.no_breakdown,
+                               [int(v) for v in a.block_t.split(",")],
+                               [int(v) for v in a.prefetch.split(",")],
+                               not a.default_warps))
         write_json(a.out, {"bench": "sweep_map", "env": env_info(), "results": rows})
 
 

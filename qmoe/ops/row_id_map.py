@@ -109,14 +109,23 @@ class MapTiling(NamedTuple):
 
     block_t: int
     num_warps: int
-    prefetch: int = 4
+    prefetch: int = 2
 
 
 def map_tiling(t: int, e: int) -> MapTiling:
     """The tiling the launcher uses for a ``[T, E]`` mask: ~4 experts a thread (rows of
-    ``next_pow2(E)`` int32 over 1 to 8 warps) and 16 tokens a block."""
+    ``next_pow2(E)`` over ``next_pow2(E) / 128`` warps, 1 to 8), blocks of up to 16 tokens
+    (8 from E = 256 up) but at least ~512 blocks (down to 2 tokens), every row loaded
+    ahead up to 8. ``benchmarks/sweep_map.py`` on the H200 (docs/benchmarks.md): the map
+    pass is bound by the latency of each row's scan, so short blocks over many programs
+    win until the per-block counts grow; more warps than ~4 experts a thread lose."""
     be = _next_pow2(e)
-    return MapTiling(16, max(1, min(8, be // 128)))
+    bt = max(2, min(16 if be <= 128 else 8, _prev_pow2(t // 512)))
+    return MapTiling(bt, max(1, min(8, be // 128)), min(8, bt))
+
+
+def _prev_pow2(x: int) -> int:
+    return 1 << max(0, x.bit_length() - 1)
 
 
 def _next_pow2(x: int) -> int:
