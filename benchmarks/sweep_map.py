@@ -3,8 +3,8 @@
     python benchmarks/sweep_map.py [--out results.json] [--configs dsv3,qwen3next]
 
 1. ``make_row_id_map(mask)`` (three launches) for each ``MapTiling``: tokens per block
-   (``--block-t``, 8 to 32 by default: one row of counts per block) x warps (half, the
-   default, twice) x rows the map pass loads ahead (``--prefetch``, 2 or all), replayed
+   (``--block-t``, 8 to 32 by default: one row of counts per block) x warps (``--warps``:
+   half, the default, twice) x rows the map pass loads ahead (``--prefetch``, 2 or all), replayed
    from a CUDA graph (median ms); the best goes in ``best_map``.
 2. A kernel-level breakdown (``torch.profiler``, CUDA time per call, averaged over 20 calls)
    of: bf16 ``moe_permute`` end to end, the FP8 (blockwise) permute, the fused MXFP8
@@ -50,7 +50,7 @@ def kernel_breakdown(fn, iters: int = 20) -> dict[str, float]:
 
 
 def run_config(name: str, breakdown: bool = True, block_ts=(8, 16, 32),
-               aheads=(2, 32), all_warps: bool = True) -> dict:
+               aheads=(2, 32), warps_spec: str = "auto") -> dict:
     t, h, e, k = CONFIGS[name]
     n = t * k
     dev = "cuda"
@@ -61,7 +61,11 @@ def run_config(name: str, breakdown: bool = True, block_ts=(8, 16, 32),
     y = torch.randn(n, h, dtype=torch.bfloat16, device=dev)
     out = {"config": name, "T": t, "H": h, "E": e, "K": k, "map": [], "breakdown": {}}
     nw0 = map_tiling(t, e).num_warps
-    warps = sorted({max(1, nw0 // 2), nw0, min(8, nw0 * 2)}) if all_warps else [nw0]
+    warps = {max(1, nw0 // 2), nw0, min(8, nw0 * 2)}
+    if warps_spec != "auto":  # e.g. "default,row": map_tiling's, one expert a thread
+        named = {"default": nw0, "row": max(1, (1 << (e - 1).bit_length()) // 32)}
+        warps = {named[w] if w in named else int(w) for w in warps_spec.split(",")}
+    warps = sorted(warps)
     # tokens per block x warps x rows loaded ahead (2, or the whole block)
     tilings = dict.fromkeys(MapTiling(bt, nw, min(ahead, bt))
                             for bt, nw, ahead in itertools.product(block_ts, warps, aheads))
@@ -93,7 +97,9 @@ def main() -> None:
     p.add_argument("--no-breakdown", action="store_true", help="only the map sweep")
     p.add_argument("--block-t", default="8,16,32", help="tokens per block to try")
     p.add_argument("--prefetch", default="2,32", help="rows loaded ahead to try (capped)")
-    p.add_argument("--default-warps", action="store_true", help="only map_tiling's warps")
+    p.add_argument("--warps", default="auto",
+                   help="'auto' (half, map_tiling's, twice) or a list of ints, 'default' "
+                        "(map_tiling's) and 'row' (one expert a thread: next_pow2(E) / 32)")
     a = p.parse_args()
     if not torch.cuda.is_available():
         print("sweep_map: needs CUDA, skipped")
@@ -103,7 +109,7 @@ def main() -> None:
         rows.append(run_config(c, not a.no_breakdown,
                                [int(v) for v in a.block_t.split(",")],
                                [int(v) for v in a.prefetch.split(",")],
-                               not a.default_warps))
+                               a.warps))
         write_json(a.out, {"bench": "sweep_map", "env": env_info(), "results": rows})
 
 
