@@ -196,11 +196,25 @@ def zero_rows_kernel(
 
 
 @triton.jit
-def _checked_row(slot_ptr, N_IN, hmask, bad, BLOCK_H: tl.constexpr):
-    """A route's input row from the map, kept inside ``[0, N_IN)``: ``(row, load mask,
-    bad)``. An out-of-range row becomes row 0 with an empty mask (it adds zero), and sets
-    ``bad`` (the merge kernels' ``(1,)`` int32 problem flag)."""
-    d = tl.load(slot_ptr).to(tl.int64)
+def _route(mrow, S, s, n, w_row_ptr, HAS_W: tl.constexpr):
+    """Route s of a token (clamped into ``[0, n)``, so loads stay inside the map row and the
+    weights row even past the last route): ``(row, weight)``, weight 1.0 without HAS_W.
+    The merges load route s + 1 while route s's row is in flight, so each route costs one
+    memory round trip, not two (the map entry, then the row)."""
+    sc = tl.maximum(tl.minimum(s, n - 1), 0)
+    d = tl.load(mrow + sc).to(tl.int64)
+    w = 1.0
+    if HAS_W:
+        c = tl.maximum(tl.load(mrow + S + sc), 0)
+        w = tl.load(w_row_ptr + c).to(tl.float32)
+    return d, w
+
+
+@triton.jit
+def _checked_row(d, N_IN, hmask, bad, BLOCK_H: tl.constexpr):
+    """A route's input row kept inside ``[0, N_IN)``: ``(row, load mask, bad)``. An
+    out-of-range row becomes row 0 with an empty mask (it adds zero), and sets ``bad`` (the
+    merge kernels' ``(1,)`` int32 problem flag)."""
     inr = (d >= 0) & (d < N_IN)
     dv = tl.zeros((BLOCK_H,), dtype=tl.int64) + d
     lmask = hmask & (dv >= 0) & (dv < N_IN)
@@ -208,11 +222,12 @@ def _checked_row(slot_ptr, N_IN, hmask, bad, BLOCK_H: tl.constexpr):
 
 
 @triton.jit
-def _weighted_add(acc, x, w_row_ptr, col_ptr, bad):
-    """``acc + x * w`` with the route's weight ``w_row_ptr[*col_ptr]`` (fp32); a NaN
-    weight sets ``bad``."""
-    wt = tl.load(w_row_ptr + tl.load(col_ptr)).to(tl.float32)
-    return acc + x * wt, bad | (wt != wt).to(tl.int32)
+def _merge_add(acc, x, w, bad, HAS_W: tl.constexpr):
+    """``acc + x * w`` (``acc + x`` without HAS_W); a NaN weight sets ``bad``."""
+    if HAS_W:
+        return acc + x * w, bad | (w != w).to(tl.int32)
+    else:
+        return acc + x, bad
 
 
 @triton.jit
@@ -238,13 +253,14 @@ def unpermute_gather_kernel(
     n = tl.minimum(tl.load(mrow + 2 * S), S)
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
     bad = tl.zeros((1,), dtype=tl.int32) + (n < 0).to(tl.int32)  # (1,): any problem seen
+    wrow = w_ptr + t * stride_w
+    d_next, w_next = _route(mrow, S, 0, n, wrow, HAS_W)
     for s in range(0, n):
-        d, lmask, bad = _checked_row(mrow + s, N_IN, hmask, bad, BLOCK_H)
+        d, w = d_next, w_next
+        d_next, w_next = _route(mrow, S, s + 1, n, wrow, HAS_W)
+        d, lmask, bad = _checked_row(d, N_IN, hmask, bad, BLOCK_H)
         x = tl.load(inp_ptr + d * H + cols, mask=lmask, other=0.0).to(tl.float32)
-        if HAS_W:
-            acc, bad = _weighted_add(acc, x, w_ptr + t * stride_w, mrow + S + s, bad)
-        else:
-            acc += x
+        acc, bad = _merge_add(acc, x, w, bad, HAS_W)
     tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=hmask)
     tl.store(ok_ptr + tl.arange(0, 1), tl.zeros((1,), dtype=tl.int32), mask=bad != 0)
 
@@ -330,8 +346,12 @@ def unpermute_fp8_kernel(
     bad = tl.zeros((1,), dtype=tl.int32) + (n < 0).to(tl.int32)  # (1,): any problem seen
     if LAYOUT == 0:
         st = tl.load(s_ptr)
+    wrow = w_ptr + t * stride_w
+    d_next, w_next = _route(mrow, S, 0, n, wrow, HAS_W)
     for s in range(0, n):
-        d, lmask, bad = _checked_row(mrow + s, N_IN, hmask, bad, BLOCK_H)
+        d, w = d_next, w_next
+        d_next, w_next = _route(mrow, S, s + 1, n, wrow, HAS_W)
+        d, lmask, bad = _checked_row(d, N_IN, hmask, bad, BLOCK_H)
         b = tl.load(q_ptr + d * H + cols, mask=lmask, other=0)
         v = fp8_bits_to_fp32(b, MB, BIAS, HW_CAST)
         if LAYOUT == 0:
@@ -347,9 +367,6 @@ def unpermute_fp8_kernel(
                 nan = tl.full(sc.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
                 sc = tl.where(sb == 255, nan, sc)
             x = v * sc
-        if HAS_W:
-            acc, bad = _weighted_add(acc, x, w_ptr + t * stride_w, mrow + S + s, bad)
-        else:
-            acc += x
+        acc, bad = _merge_add(acc, x, w, bad, HAS_W)
     tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=hmask)
     tl.store(ok_ptr + tl.arange(0, 1), tl.zeros((1,), dtype=tl.int32), mask=bad != 0)
