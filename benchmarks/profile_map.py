@@ -3,8 +3,9 @@
     ncu --clock-control none -k regex:'mask_|block_scan' --launch-skip 6 --launch-count 6 \
         python3 benchmarks/profile_map.py --configs qwen3next,dsv3
 
-Each config builds ``make_row_id_map(mask)`` ``--calls`` times on the bench's routing (K
-random experts a token); nothing is timed here: ncu (or nsys) does the measuring.
+Each config runs the three mask-map launches (``_mask_rows_triton``, what
+``make_row_id_map(mask)`` calls on CUDA) ``--calls`` times on the bench's routing (K random
+experts a token); nothing is timed here: ncu does the measuring.
 """
 
 from __future__ import annotations

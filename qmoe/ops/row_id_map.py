@@ -113,12 +113,12 @@ class MapTiling(NamedTuple):
 
 
 def map_tiling(t: int, e: int) -> MapTiling:
-    """The tiling the launcher uses for a ``[T, E]`` mask: ~4 experts a thread (rows of
-    ``next_pow2(E)`` over ``next_pow2(E) / 128`` warps, 1 to 8), blocks of up to 16 tokens
-    (8 from E = 256 up) but at least ~512 blocks (down to 2 tokens), every row loaded
-    ahead up to 8. ``benchmarks/sweep_map.py`` on the H200 (docs/benchmarks.md): the map
-    pass is bound by the latency of each row's scan, so short blocks over many programs
-    win until the per-block counts grow; more warps than ~4 experts a thread lose."""
+    """The tiling the launcher uses for a ``[T, E]`` mask: ``next_pow2(E) / 128`` warps
+    (1 to 8: ~4 experts a thread from E = 65 to 1024, fewer below, more above), blocks of
+    16 tokens (8 once ``next_pow2(E) > 128``) but at least ~512 blocks (down to 2 tokens),
+    up to 8 rows loaded ahead. ``benchmarks/sweep_map.py`` on the H200
+    (docs/benchmarks.md): the map pass is bound by the latency of each row's scan, so short
+    blocks over many programs win until the per-block counts grow; more warps lose."""
     be = _next_pow2(e)
     bt = max(2, min(16 if be <= 128 else 8, _prev_pow2(t // 512)))
     return MapTiling(bt, max(1, min(8, be // 128)), min(8, bt))
@@ -140,7 +140,7 @@ def _mask_rows_triton(
 ):
     """``(row_id_map, fill)`` from three Triton launches over the mask (CUDA, or the
     interpreter). ``tiling`` overrides ``map_tiling`` (tests shrink it to reach many blocks
-    and several scan steps with small inputs; the sweep tries others)."""
+    with small inputs; the sweep tries others)."""
     import triton
 
     from qmoe.ops._kernels.row_id_map import (
@@ -160,6 +160,9 @@ def _mask_rows_triton(
         m = m.contiguous()
     be = triton.next_power_of_2(e)
     bt, nw, pf = tiling or map_tiling(t, e)
+    if bt < 1 or pf < 1 or nw < 1 or nw & (nw - 1):
+        raise ValueError(f"map tiling {tiling}: block_t and prefetch must be >= 1 and "
+                         "num_warps a power of two")
     nblk = triton.cdiv(t, bt)
     counts = torch.empty((nblk, e), dtype=torch.int32, device=m.device)
     total = torch.empty((e,), dtype=torch.int32, device=m.device)

@@ -126,9 +126,8 @@ def test_mask_map_kernel_matches_torch(kdevice, t, e, k, kind, align):
 
 @pytest.mark.parametrize("tiling", [(1, 1, 1), (4, 2, 1), (32, 1, 32), (64, 4, 3)])
 def test_mask_map_kernel_tilings(kdevice, tiling):
-    """Blocks of one token (the block scan walks many chunks), loads one row ahead, all
-    rows ahead, a prefetch depth that does not divide the block, a last block cut short
-    (300 tokens): the same map and fill."""
+    """Blocks of one token, loads one row ahead, all rows ahead, a prefetch depth that does
+    not divide the block, a last block cut short (300 tokens): the same map and fill."""
     from qmoe.ops.row_id_map import MapTiling, _mask_rows, _mask_rows_triton, fill_rows
 
     ids, mask = routing(300, 40, 3, "sentinels", kdevice)
@@ -138,6 +137,39 @@ def test_mask_map_kernel_tilings(kdevice, tiling):
             assert torch.equal(got, _mask_rows(mask, n, align))
             assert torch.equal(fill, fill_rows(mask.sum(0) if align > 1 else mask.sum(), n,
                                                align))
+
+
+def test_mask_map_block_scan_over_several_chunks(kdevice):
+    """More blocks than one step of the block scan takes (512 at E = 520, whose programs
+    own 8 experts each): the running per-expert count must carry from one chunk of blocks
+    to the next."""
+    from qmoe.ops.row_id_map import MapTiling, _mask_rows, _mask_rows_triton, fill_rows
+
+    ids, mask = routing(600, 520, 3, "random", kdevice)
+    n = int(mask.sum()) - 5
+    got, fill = _mask_rows_triton(mask, n, 4, MapTiling(1, 1, 1))
+    assert torch.equal(got, _mask_rows(mask, n, 4))
+    assert torch.equal(fill, fill_rows(mask.sum(0), n, 4))
+
+
+def test_merge_of_a_map_without_slots_is_zero(kdevice):
+    """A map of S = 0 (only the count column): nothing to read, zeros out, weights of zero
+    columns accepted."""
+    t, h = 6, 40
+    y = torch.randn(5, h, device=kdevice)
+    empty = torch.zeros(t, 1, dtype=torch.int32, device=kdevice)
+    for w in (None, torch.rand(t, 0, device=kdevice)):
+        got = B.unpermute_rows(y, empty, w, use_triton=True)
+        assert torch.equal(got, torch.zeros(t, h, device=kdevice))
+
+
+def test_mask_map_rejects_bad_tiling():
+    from qmoe.ops.row_id_map import MapTiling, _mask_rows_triton
+
+    mask = torch.ones(4, 3, dtype=torch.bool)
+    for bad in (MapTiling(0, 1, 1), MapTiling(4, 1, 0), MapTiling(4, 3, 1)):
+        with pytest.raises(ValueError, match="map tiling"):
+            _mask_rows_triton(mask, 12, 1, bad)
 
 
 @pytest.mark.parametrize("recipe", [
@@ -175,8 +207,8 @@ def test_unpermute_fp8_kernel_dequantizes_in_place(kdevice, recipe, h):
 
 
 def _merge_case(dev, fp8, bad):
-    """A merge given rows cut short (``bad='rows'``), NaN weights (``'nan'``) or valid
-    inputs (``None``)."""
+    """A merge given rows cut short (``bad='rows'``), NaN weights (``'nan'``), weights of
+    one column or none (``'cols'``, ``'nocols'``) or valid inputs (``None``)."""
     import qmoe
     from qmoe.ops.fp8 import _bits, _layout
 
@@ -190,6 +222,10 @@ def _merge_case(dev, fp8, bad):
         x = x[: n - 3]
     elif bad == "nan":
         w = w.index_fill(1, torch.tensor([3], device=dev), float("nan"))
+    elif bad == "cols":  # fewer probs columns than the map's experts
+        w = w[:, :1].contiguous()
+    elif bad == "nocols":
+        w = w[:, :0]
     if not fp8:
         return B.unpermute_rows(x, rid, w, use_triton=True)
     q = qmoe.quantize(x, qmoe.MXFP8())
@@ -208,12 +244,13 @@ print("no error")
 
 @pytest.mark.parametrize("fp8", [False, True])
 def test_merge_kernels_refuse_rows_past_inp_and_nan_weights(kdevice, fp8):
-    """The merge kernels never read past inp: a map pointing beyond it (inp cut short),
-    or a NaN among the weights they use, trips their device-side check. On CUDA that is
-    a device assert, which ends the CUDA context: each bad case runs in a child process."""
+    """The merge kernels never read past inp or the weights: a map pointing beyond inp
+    (inp cut short), a NaN among the weights they use, or a probs column past the weights
+    (one column, or none) trips their device-side check. On CUDA that is a device assert,
+    which ends the CUDA context: each bad case runs in a child process."""
     msg = "row_id_map points past the rows of inp"
     _merge_case(kdevice, fp8, None)  # fine as given
-    for bad in ("rows", "nan"):
+    for bad in ("rows", "nan", "cols", "nocols"):
         if kdevice == "cpu":
             with pytest.raises(RuntimeError, match=msg):
                 _merge_case(kdevice, fp8, bad)

@@ -196,23 +196,30 @@ def zero_rows_kernel(
 
 
 @triton.jit
-def _route(mrow, S, s, n, w_row_ptr, HAS_W: tl.constexpr):
-    """Route s of a token (clamped into ``[0, n)``, so loads stay inside the map row and the
-    weights row even past the last route): ``(row, weight)``, weight 1.0 without HAS_W.
-    The bf16 merge loads route s + 1 while route s's row is in flight, so each route costs
-    one memory round trip, not two (the map entry, then the row)."""
+def _route(mrow, S, s, n, w_row_ptr, P, HAS_W: tl.constexpr):
+    """Route s of a token: ``(row, weight, bad weight column)``; weight 1.0 without HAS_W.
+    ``s`` is clamped into ``[0, max(n, 1))``, so a load past the last route, or for a token
+    with none, stays inside the map row (the launcher skips maps with S = 0). The bf16/fp16/
+    fp32 merge loads route s + 1 this way while route s's row is in flight, so each route
+    costs one memory round trip, not two (the map entry, then the row)."""
     sc = tl.maximum(tl.minimum(s, n - 1), 0)
     d = tl.load(mrow + sc).to(tl.int64)
     w = 1.0
+    cbad = 0
     if HAS_W:
-        w = _route_weight(mrow, S, sc, w_row_ptr)
-    return d, w
+        w, cbad = _route_weight(mrow, S, sc, w_row_ptr, P)
+    return d, w, cbad
 
 
 @triton.jit
-def _route_weight(mrow, S, s, w_row_ptr):
-    """The weight of route s (``s`` inside ``[0, n)``): ``w_row_ptr[map[S + s]]``, fp32."""
-    return tl.load(w_row_ptr + tl.maximum(tl.load(mrow + S + s), 0)).to(tl.float32)
+def _route_weight(mrow, S, s, w_row_ptr, P):
+    """Route s's weight ``w_row_ptr[map[S + s]]`` (fp32) and 1 if that column is outside
+    ``[0, P)`` (then a column inside is read instead: the weights row holds at least one
+    column even when P = 0)."""
+    c = tl.load(mrow + S + s)
+    return (tl.load(w_row_ptr + tl.minimum(tl.maximum(c, 0), tl.maximum(P - 1, 0))).to(
+            tl.float32),
+            ((c < 0) | (c >= P)).to(tl.int32))
 
 
 @triton.jit
@@ -227,10 +234,11 @@ def _checked_row(d, N_IN, hmask, bad, BLOCK_H: tl.constexpr):
 
 
 @triton.jit
-def _merge_add(acc, x, w, bad, HAS_W: tl.constexpr):
-    """``acc + x * w`` (``acc + x`` without HAS_W); a NaN weight sets ``bad``."""
+def _merge_add(acc, x, w, cbad, bad, HAS_W: tl.constexpr):
+    """``acc + x * w`` (``acc + x`` without HAS_W); a NaN weight or a weight column outside
+    the probs (``cbad``) sets ``bad``."""
     if HAS_W:
-        return acc + x * w, bad | (w != w).to(tl.int32)
+        return acc + x * w, bad | (w != w).to(tl.int32) | cbad
     else:
         return acc + x, bad
 
@@ -246,11 +254,13 @@ def unpermute_gather_kernel(
     S,
     N_IN,
     stride_w,
+    P,  # columns of the weights (a route's column >= P is an error; w_ptr holds >= 1)
     HAS_W: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
     """out[t] = sum over t's rows of inp[row] (* weight), accumulated in fp32 in row order.
-    A row outside ``[0, N_IN)`` is never read (it adds zero and clears ``ok``)."""
+    A row outside ``[0, N_IN)`` is never read (it adds zero and clears ``ok``), nor a weight
+    column outside ``[0, P)``."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = cols < H
@@ -259,13 +269,13 @@ def unpermute_gather_kernel(
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
     bad = tl.zeros((1,), dtype=tl.int32) + (n < 0).to(tl.int32)  # (1,): any problem seen
     wrow = w_ptr + t * stride_w
-    d_next, w_next = _route(mrow, S, 0, n, wrow, HAS_W)
+    d_next, w_next, c_next = _route(mrow, S, 0, n, wrow, P, HAS_W)
     for s in range(0, n):
-        d, w = d_next, w_next
-        d_next, w_next = _route(mrow, S, s + 1, n, wrow, HAS_W)
+        d, w, cbad = d_next, w_next, c_next
+        d_next, w_next, c_next = _route(mrow, S, s + 1, n, wrow, P, HAS_W)
         d, lmask, bad = _checked_row(d, N_IN, hmask, bad, BLOCK_H)
         x = tl.load(inp_ptr + d * H + cols, mask=lmask, other=0.0).to(tl.float32)
-        acc, bad = _merge_add(acc, x, w, bad, HAS_W)
+        acc, bad = _merge_add(acc, x, w, cbad, bad, HAS_W)
     tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=hmask)
     tl.store(ok_ptr + tl.arange(0, 1), tl.zeros((1,), dtype=tl.int32), mask=bad != 0)
 
@@ -332,6 +342,7 @@ def unpermute_fp8_kernel(
     N_IN,
     NB,
     stride_w,
+    P,  # columns of the weights (a route's column >= P is an error; w_ptr holds >= 1)
     LAYOUT: tl.constexpr,
     BS: tl.constexpr,  # scale block along H (LAYOUT 1 and 2)
     MB: tl.constexpr,
@@ -371,9 +382,10 @@ def unpermute_fp8_kernel(
                 nan = tl.full(sc.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
                 sc = tl.where(sb == 255, nan, sc)
             x = v * sc
+        w = 1.0
+        cbad = 0
         if HAS_W:
-            acc, bad = _merge_add(acc, x, _route_weight(mrow, S, s, wrow), bad, HAS_W)
-        else:
-            acc += x
+            w, cbad = _route_weight(mrow, S, s, wrow, P)
+        acc, bad = _merge_add(acc, x, w, cbad, bad, HAS_W)
     tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=hmask)
     tl.store(ok_ptr + tl.arange(0, 1), tl.zeros((1,), dtype=tl.int32), mask=bad != 0)

@@ -3,9 +3,10 @@
 Glossary: T tokens, E experts, N output rows, NBLK blocks of BLOCK_T tokens (one row of
 counts each), BLOCK_E = next_pow2(E), A the padding alignment. Launcher:
 ``qmoe/ops/row_id_map.py``. Both mask passes walk a block one token row at a time, as 1D
-``[BLOCK_E]`` vectors (unrolled, so the row loads issue together): a token's rank inside
-the block is a running count per expert kept in registers, and the only cross-thread step
-is the scan across one row's experts.
+``[BLOCK_E]`` vectors in an unrolled loop. The count pass only adds rows (its loads issue
+together; no cross-thread step). The map pass keeps each expert's running count in
+registers (a token's rank inside the block needs no scan down the tokens), loads PREFETCH
+rows ahead, and per row does one scan and one sum across the row's experts.
 
 1. ``mask_block_counts_kernel``: each block's token count per expert, ``[NBLK, E]``.
 2. ``block_scan_kernel``: per expert, the exclusive prefix of those counts over the
