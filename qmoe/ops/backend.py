@@ -290,8 +290,11 @@ def unpermute_fp8_rows(
     if num_slots(rid) == 0:
         return out.zero_()  # no routes: nothing to read
     w, p = _weights_arg(weights, qbits)
+    scale = scale.contiguous()
+    if layout != 0 and qbits.shape[0] == 0:  # the kernel reads scale row 0 of a bad route
+        scale = scale.new_zeros((1, scale.shape[-1]))
     unpermute_fp8_kernel[(t, triton.cdiv(h, bh))](
-        qbits.contiguous(), scale.contiguous(), out, rid, w, ok, h, num_slots(rid),
+        qbits.contiguous(), scale, out, rid, w, ok, h, num_slots(rid),
         qbits.shape[0], scale.shape[-1] if scale.dim() else 1, w.stride(0), p,
         LAYOUT=layout, BS=max(block_size, 1), MB=3 if e4m3 else 2, BIAS=7 if e4m3 else 15,
         HW_CAST=qbits.is_cuda, HAS_W=weights is not None, BLOCK_H=bh, num_warps=nw,

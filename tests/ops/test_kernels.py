@@ -207,7 +207,8 @@ def test_unpermute_fp8_kernel_dequantizes_in_place(kdevice, recipe, h):
 
 
 def _merge_case(dev, fp8, bad):
-    """A merge given rows cut short (``bad='rows'``), NaN weights (``'nan'``), weights of
+    """A merge given rows cut short (``bad='rows'``) or none (``'empty'``), NaN weights
+    (``'nan'``), weights of
     one column or none (``'cols'``, ``'nocols'``) or valid inputs (``None``)."""
     import qmoe
     from qmoe.ops.fp8 import _bits, _layout
@@ -220,6 +221,8 @@ def _merge_case(dev, fp8, bad):
     x = torch.randn(n, h, device=dev)
     if bad == "rows":
         x = x[: n - 3]
+    elif bad == "empty":  # no rows at all, yet routes in the map
+        x = x[:0]
     elif bad == "nan":
         w = w.index_fill(1, torch.tensor([3], device=dev), float("nan"))
     elif bad == "cols":  # fewer probs columns than the map's experts
@@ -245,12 +248,12 @@ print("no error")
 @pytest.mark.parametrize("fp8", [False, True])
 def test_merge_kernels_refuse_rows_past_inp_and_nan_weights(kdevice, fp8):
     """The merge kernels never read past inp or the weights: a map pointing beyond inp
-    (inp cut short), a NaN among the weights they use, or a probs column past the weights
-    (one column, or none) trips their device-side check. On CUDA that is a device assert,
-    which ends the CUDA context: each bad case runs in a child process."""
+    (inp cut short, or empty), a NaN among the weights they use, or a probs column past
+    the weights (one column, or none) trips their device-side check. On CUDA that is a
+    device assert, which ends the CUDA context: each bad case runs in a child process."""
     msg = "row_id_map points past the rows of inp"
     _merge_case(kdevice, fp8, None)  # fine as given
-    for bad in ("rows", "nan", "cols", "nocols"):
+    for bad in ("rows", "empty", "nan", "cols", "nocols"):
         if kdevice == "cpu":
             with pytest.raises(RuntimeError, match=msg):
                 _merge_case(kdevice, fp8, bad)

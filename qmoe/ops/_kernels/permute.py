@@ -372,11 +372,14 @@ def unpermute_fp8_kernel(
         if LAYOUT == 0:
             x = v * st
         else:
-            sidx = d * NB + cols // BS
+            # Unmasked, with the block index clamped into the row (d is a row of inp, or 0,
+            # and the launcher guarantees a row 0): a thread's columns then share one load;
+            # masked by column, the sm_90 build issued one load per column for fp32 scales.
+            sidx = d * NB + tl.minimum(cols // BS, NB - 1)
             if LAYOUT == 1:
-                sc = tl.load(s_ptr + sidx, mask=hmask, other=0.0)
+                sc = tl.load(s_ptr + sidx)
             else:
-                sb = tl.load(s_ptr + sidx, mask=hmask, other=127).to(tl.int32)
+                sb = tl.load(s_ptr + sidx).to(tl.int32)
                 sc = (sb << 23).to(tl.float32, bitcast=True)
                 sc = tl.where(sb == 0, 5.877471754111438e-39, sc)  # 2**-127
                 nan = tl.full(sc.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
