@@ -21,6 +21,7 @@ import sys
 from collections import defaultdict
 
 import torch
+import triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -63,7 +64,7 @@ def run_config(name: str, breakdown: bool = True, block_ts=(8, 16, 32),
     nw0 = map_tiling(t, e).num_warps
     warps = {max(1, nw0 // 2), nw0, min(8, nw0 * 2)}
     if warps_spec != "auto":  # e.g. "default,row": map_tiling's, one expert a thread
-        named = {"default": nw0, "row": max(1, (1 << (e - 1).bit_length()) // 32)}
+        named = {"default": nw0, "row": max(1, triton.next_power_of_2(e) // 32)}
         warps = {named[w] if w in named else int(w) for w in warps_spec.split(",")}
     warps = sorted(warps)
     # tokens per block x warps x rows loaded ahead (2, or the whole block)

@@ -159,9 +159,9 @@ def unpermute_rows(
         return out
     x = x.contiguous()
     bh, nw = gather_tile(h)
-    ok = torch.ones(1, dtype=torch.int32, device=x.device)
     if num_slots(rid) == 0:
         return out.zero_()  # no routes: nothing to read
+    ok = torch.ones(1, dtype=torch.int32, device=x.device)
     w, p = _weights_arg(weights, x)
     unpermute_gather_kernel[(t, triton.cdiv(h, bh))](
         x, out, rid, w, ok, h, num_slots(rid), x.shape[0], w.stride(0), p,
@@ -286,9 +286,9 @@ def unpermute_fp8_rows(
         return out
     bh, nw = gather_tile(h)
     e4m3 = fp8_dtype == torch.float8_e4m3fn
-    ok = torch.ones(1, dtype=torch.int32, device=qbits.device)
     if num_slots(rid) == 0:
         return out.zero_()  # no routes: nothing to read
+    ok = torch.ones(1, dtype=torch.int32, device=qbits.device)
     w, p = _weights_arg(weights, qbits)
     scale = scale.contiguous()
     if layout != 0 and qbits.shape[0] == 0:  # the kernel reads scale row 0 of a bad route

@@ -119,17 +119,15 @@ def map_tiling(t: int, e: int) -> MapTiling:
     up to 8 rows loaded ahead. ``benchmarks/sweep_map.py`` on the H200
     (docs/benchmarks.md): the map pass is bound by the latency of each row's scan, so short
     blocks over many programs win until the per-block counts grow; more warps lose."""
-    be = _next_pow2(e)
+    import triton
+
+    be = triton.next_power_of_2(e)
     bt = max(2, min(16 if be <= 128 else 8, _prev_pow2(t // 512)))
     return MapTiling(bt, max(1, min(8, be // 128)), min(8, bt))
 
 
 def _prev_pow2(x: int) -> int:
     return 1 << max(0, x.bit_length() - 1)
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, x - 1).bit_length()
 
 
 def _mask_rows_triton(
@@ -154,7 +152,8 @@ def _mask_rows_triton(
     if t == 0 or e == 0:
         counts = routing_map.new_zeros((e if align_size > 1 else 1,), dtype=torch.int32)
         return (rid.fill_(0) if e == 0 else rid), fill_rows(counts, num_out_tokens, align_size)
-    fill = torch.empty((e + 1 if align_size > 1 else 1, 2), dtype=torch.int32, device=rid.device)
+    fill = torch.empty((fill_count(routing_map, False, align_size), 2), dtype=torch.int32,
+                       device=rid.device)
     m = routing_map.view(torch.uint8) if routing_map.dtype == torch.bool else routing_map
     if m.stride(1) != 1:
         m = m.contiguous()

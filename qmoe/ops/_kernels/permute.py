@@ -204,22 +204,22 @@ def _route(mrow, S, s, n, w_row_ptr, P, HAS_W: tl.constexpr):
     costs one memory round trip, not two (the map entry, then the row)."""
     sc = tl.maximum(tl.minimum(s, n - 1), 0)
     d = tl.load(mrow + sc).to(tl.int64)
-    w = 1.0
-    cbad = 0
-    if HAS_W:
-        w, cbad = _route_weight(mrow, S, sc, w_row_ptr, P)
+    w, cbad = _route_weight(mrow, S, sc, w_row_ptr, P, HAS_W)
     return d, w, cbad
 
 
 @triton.jit
-def _route_weight(mrow, S, s, w_row_ptr, P):
+def _route_weight(mrow, S, s, w_row_ptr, P, HAS_W: tl.constexpr):
     """Route s's weight ``w_row_ptr[map[S + s]]`` (fp32) and 1 if that column is outside
     ``[0, P)`` (then a column inside is read instead: the weights row holds at least one
-    column even when P = 0)."""
-    c = tl.load(mrow + S + s)
-    return (tl.load(w_row_ptr + tl.minimum(tl.maximum(c, 0), tl.maximum(P - 1, 0))).to(
-            tl.float32),
-            ((c < 0) | (c >= P)).to(tl.int32))
+    column even when P = 0); ``(1.0, 0)`` without HAS_W."""
+    if HAS_W:
+        c = tl.load(mrow + S + s)
+        return (tl.load(w_row_ptr + tl.minimum(tl.maximum(c, 0), tl.maximum(P - 1, 0))).to(
+                tl.float32),
+                ((c < 0) | (c >= P)).to(tl.int32))
+    else:
+        return 1.0, 0
 
 
 @triton.jit
@@ -385,10 +385,7 @@ def unpermute_fp8_kernel(
                 nan = tl.full(sc.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
                 sc = tl.where(sb == 255, nan, sc)
             x = v * sc
-        w = 1.0
-        cbad = 0
-        if HAS_W:
-            w, cbad = _route_weight(mrow, S, s, wrow, P)
+        w, cbad = _route_weight(mrow, S, s, wrow, P, HAS_W)
         acc, bad = _merge_add(acc, x, w, cbad, bad, HAS_W)
     tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=hmask)
     tl.store(ok_ptr + tl.arange(0, 1), tl.zeros((1,), dtype=tl.int32), mask=bad != 0)
