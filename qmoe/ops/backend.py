@@ -10,14 +10,14 @@ allocator on the input's device.
 from __future__ import annotations
 
 import torch
-import triton
 
+from qmoe._intmath import cdiv, next_pow2
 from qmoe.ops.row_id_map import num_slots
 from qmoe.tensors.base import e8m0_to_fp32, expand_block_scales
 
 
 def _block_h(h: int) -> int:
-    return max(16, min(1024, triton.next_power_of_2(max(h, 1))))
+    return max(16, min(1024, next_pow2(max(h, 1))))
 
 
 def scatter_tile(h: int, itemsize: int, weighted: bool) -> tuple[int, int, int]:
@@ -25,14 +25,14 @@ def scatter_tile(h: int, itemsize: int, weighted: bool) -> tuple[int, int, int]:
     program (2 KiB of fp32 math when weighted). Picked from ``benchmarks/sweep_permute.py``
     on the H200 (dsv3, qwen3, mixtral, gptoss: within 1-2% of each config's best)."""
     cap = 2048 if weighted else 16384 // itemsize
-    bh = max(16, min(cap, triton.next_power_of_2(max(h, 1))))
+    bh = max(16, min(cap, next_pow2(max(h, 1))))
     nw = min(8 if itemsize > 1 else 4, max(1, bh * itemsize // 512))
     return bh, nw, 4 if weighted or itemsize == 1 else 8
 
 
 def gather_tile(h: int) -> tuple[int, int]:
     """``(BLOCK_H, num_warps)`` of the merge kernels (same sweep: 4096 columns, 8 warps)."""
-    bh = max(16, min(4096, triton.next_power_of_2(max(h, 1))))
+    bh = max(16, min(4096, next_pow2(max(h, 1))))
     return bh, max(1, min(8, bh // 512))
 
 
@@ -100,18 +100,18 @@ def permute_rows(
         side = side.contiguous()
     sd, so = (side, side_out) if has_s else (written, written)
     ns = side.shape[1] if has_s else 0
-    bs = triton.next_power_of_2(max(ns, 1))
+    bs = next_pow2(max(ns, 1))
     progs, r, z = scatter_programs(t, n, fill)
     if progs:
         w = weights if weights is not None else x
-        permute_scatter_kernel[(progs, triton.cdiv(max(h, 1), bh))](
+        permute_scatter_kernel[(progs, cdiv(max(h, 1), bh))](
             x, out, rid, w, written, fill if has_f else written, p, pp, sd, so, t, n, h,
             num_slots(rid), ns, r, z, x.stride(0), w.stride(0), p.stride(0) if has_p else 0,
             side.stride(0) if has_s else 0, HAS_W=weights is not None, HAS_P=has_p,
             HAS_SIDE=has_s, HAS_FILL=has_f, KB=kb, BLOCK_H=bh, BLOCK_S=bs, num_warps=nw,
         )
     if not has_f:
-        zero_rows_kernel[(triton.cdiv(n, 64),)](
+        zero_rows_kernel[(cdiv(n, 64),)](
             out, written, pp, so, n, h, ns, HAS_P=has_p, HAS_SIDE=has_s, BLOCK_R=64,
             BLOCK_H=min(bh, 64), BLOCK_S=bs, num_warps=4,
         )
@@ -124,7 +124,7 @@ def scatter_programs(t: int, n: int, fill: torch.Tensor | None) -> tuple[int, in
     tail of up to N rows; empty ones cost a load and exit)."""
     if fill is None:
         return t, 0, 0
-    r, z = fill.shape[0], max(1, min(256, triton.cdiv(n, 64)))
+    r, z = fill.shape[0], max(1, min(256, cdiv(n, 64)))
     return t + r - 1 + z, r, z
 
 
@@ -163,7 +163,7 @@ def unpermute_rows(
         return out.zero_()  # no routes: nothing to read
     ok = torch.ones(1, dtype=torch.int32, device=x.device)
     w, p = _weights_arg(weights, x)
-    unpermute_gather_kernel[(t, triton.cdiv(h, bh))](
+    unpermute_gather_kernel[(t, cdiv(h, bh))](
         x, out, rid, w, ok, h, num_slots(rid), x.shape[0], w.stride(0), p,
         HAS_W=weights is not None, BLOCK_H=bh, num_warps=nw,
     )
@@ -240,9 +240,9 @@ def gather_rows(
     if x.stride(1) != 1:
         x = x.contiguous()
     # about 16 KiB per program, as the scatter kernel (scatter_tile)
-    bh = max(16, min(16384 // x.element_size(), triton.next_power_of_2(h)))
+    bh = max(16, min(16384 // x.element_size(), next_pow2(h)))
     br = max(1, 16384 // (bh * x.element_size()))
-    gather_rows_kernel[(triton.cdiv(r, br), triton.cdiv(h, bh))](
+    gather_rows_kernel[(cdiv(r, br), cdiv(h, bh))](
         x, out, src, r, h, x.stride(0), BLOCK_R=br, BLOCK_H=bh, num_warps=8
     )
     return out
@@ -293,7 +293,7 @@ def unpermute_fp8_rows(
     scale = scale.contiguous()
     if layout != 0 and qbits.shape[0] == 0:  # the kernel reads scale row 0 of a bad route
         scale = scale.new_zeros((1, scale.shape[-1]))
-    unpermute_fp8_kernel[(t, triton.cdiv(h, bh))](
+    unpermute_fp8_kernel[(t, cdiv(h, bh))](
         qbits.contiguous(), scale, out, rid, w, ok, h, num_slots(rid),
         qbits.shape[0], scale.shape[-1] if scale.dim() else 1, w.stride(0), p,
         LAYOUT=layout, BS=max(block_size, 1), MB=3 if e4m3 else 2, BIAS=7 if e4m3 else 15,

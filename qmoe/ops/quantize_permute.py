@@ -14,8 +14,8 @@ of the output's gradient, as for ``quantize`` then ``moe_permute``).
 from __future__ import annotations
 
 import torch
-import triton
 
+from qmoe._intmath import cdiv, next_pow2
 from qmoe._library import define
 from qmoe.ops.row_id_map import num_slots
 from qmoe.tensors.quantize import (
@@ -83,11 +83,11 @@ def quantize_permute_triton(x, rid, probs, n, block_size, fp8_dtype, scale_mode,
     written = fill if has_f else torch.zeros(n, dtype=torch.int8, device=x.device)
     if tile is None:  # row elements per program (sweep_permute.py: 4096 at H >= 4096)
         tile = 4096 if h >= 4096 else 1024
-    groups = max(1, min(tile // bs, triton.next_power_of_2(nb)))
+    groups = max(1, min(tile // bs, next_pow2(nb)))
     e4m3 = fp8_dtype == torch.float8_e4m3fn
     progs, r, z = scatter_programs(t, n, fill)
     if progs:
-        quantize_permute_kernel[(progs, triton.cdiv(nb, groups))](
+        quantize_permute_kernel[(progs, cdiv(nb, groups))](
             x, q, s_out, rid, probs if has_p else x, pp if has_p else written, written,
             fill if has_f else written, t, n, h, nb, num_slots(rid), r, z, x.stride(0),
             probs.stride(0) if has_p else 0,
@@ -97,10 +97,10 @@ def quantize_permute_triton(x, rid, probs, n, block_size, fp8_dtype, scale_mode,
             GROUPS=groups, KB=kb, num_warps=num_warps,
         )
     if not has_f:
-        zero_rows_kernel[(triton.cdiv(n, 64),)](
+        zero_rows_kernel[(cdiv(n, 64),)](
             q, written, pp if has_p else written, written if given else s_out, n, h,
             0 if given else nb, HAS_P=has_p, HAS_SIDE=not given, BLOCK_R=64, BLOCK_H=64,
-            BLOCK_S=triton.next_power_of_2(nb), num_warps=4,
+            BLOCK_S=next_pow2(nb), num_warps=4,
         )
     return q.view(fp8_dtype), s_out, pp
 

@@ -32,6 +32,7 @@ from typing import NamedTuple
 
 import torch
 
+from qmoe._intmath import cdiv, next_pow2, prev_pow2
 from qmoe._library import define
 
 
@@ -119,15 +120,15 @@ def map_tiling(t: int, e: int) -> MapTiling:
     up to 8 rows loaded ahead. ``benchmarks/sweep_map.py`` on the H200
     (docs/benchmarks.md): the map pass is bound by the latency of each row's scan, so short
     blocks over many programs win until the per-block counts grow; more warps lose."""
-    import triton
-
-    be = triton.next_power_of_2(e)
-    bt = max(2, min(16 if be <= 128 else 8, _prev_pow2(t // 512)))
+    be = next_pow2(e)
+    bt = max(2, min(16 if be <= 128 else 8, prev_pow2(t // 512)))
     return MapTiling(bt, max(1, min(8, be // 128)), min(8, bt))
 
 
-def _prev_pow2(x: int) -> int:
-    return 1 << max(0, x.bit_length() - 1)
+
+#: Mask entries (T * next_pow2(E)) up to which the map is built in one launch, each program
+#: counting the whole mask itself (``mask_row_id_map_small_kernel``).
+SMALL_MAP_ENTRIES = 1 << 15
 
 
 def _mask_rows_triton(
@@ -135,43 +136,52 @@ def _mask_rows_triton(
     num_out_tokens: int,
     align_size: int,
     tiling: MapTiling | None = None,
+    one_launch: bool | None = None,
 ):
-    """``(row_id_map, fill)`` from three Triton launches over the mask (CUDA, or the
-    interpreter). ``tiling`` overrides ``map_tiling`` (tests shrink it to reach many blocks
-    with small inputs; the sweep tries others)."""
-    import triton
-
+    """``(row_id_map, fill)`` from Triton launches over the mask (CUDA, or the
+    interpreter): three (counts, scan, map), or one for masks of at most
+    ``SMALL_MAP_ENTRIES`` entries (``one_launch`` forces either). ``tiling`` overrides
+    ``map_tiling`` (tests shrink it to reach many blocks with small inputs; the sweep
+    tries others)."""
     from qmoe.ops._kernels.row_id_map import (
         block_scan_kernel,
         mask_block_counts_kernel,
         mask_row_id_map_kernel,
+        mask_row_id_map_small_kernel,
     )
 
     t, e = routing_map.shape
-    rid = torch.empty((t, 2 * e + 1), dtype=torch.int32, device=routing_map.device)
+    rid = routing_map.new_empty((t, 2 * e + 1), dtype=torch.int32)
     if t == 0 or e == 0:
         counts = routing_map.new_zeros((e if align_size > 1 else 1,), dtype=torch.int32)
         return (rid.fill_(0) if e == 0 else rid), fill_rows(counts, num_out_tokens, align_size)
-    fill = torch.empty((fill_count(routing_map, False, align_size), 2), dtype=torch.int32,
-                       device=rid.device)
+    fill = rid.new_empty((fill_count(routing_map, False, align_size), 2))
     m = routing_map.view(torch.uint8) if routing_map.dtype == torch.bool else routing_map
     if m.stride(1) != 1:
         m = m.contiguous()
-    be = triton.next_power_of_2(e)
+    be = next_pow2(e)
     bt, nw, pf = tiling or map_tiling(t, e)
     if bt < 1 or pf < 1 or nw < 1 or nw & (nw - 1):
         raise ValueError(f"map tiling {tiling}: block_t and prefetch must be >= 1 and "
                          "num_warps a power of two")
-    nblk = triton.cdiv(t, bt)
-    counts = torch.empty((nblk, e), dtype=torch.int32, device=m.device)
-    total = torch.empty((e,), dtype=torch.int32, device=m.device)
+    nblk = cdiv(t, bt)
+    a = max(align_size, 1)
+    if one_launch if one_launch is not None else t * be <= SMALL_MAP_ENTRIES:
+        chunk = max(1, min(next_pow2(t), 4096 // be))
+        mask_row_id_map_small_kernel[(nblk,)](
+            m, rid, fill, t, e, num_out_tokens, a, m.stride(0), BLOCK_T=bt, BLOCK_E=be,
+            CHUNK_T=chunk, PREFETCH=min(pf, bt), num_warps=nw,
+        )
+        return rid, fill
+    counts = rid.new_empty((nblk, e))
+    total = rid.new_empty((e,))
     mask_block_counts_kernel[(nblk,)](m, counts, t, e, m.stride(0), BLOCK_T=bt, BLOCK_E=be,
                                       num_warps=nw)
-    cols = min(be, max(1, triton.next_power_of_2(triton.cdiv(e, 128))))  # ~128 programs
-    chunk = max(1, min(triton.next_power_of_2(nblk), 4096 // cols))
-    block_scan_kernel[(triton.cdiv(e, cols),)](counts, total, nblk, e, CHUNK_B=chunk, COLS=cols)
+    cols = min(be, max(1, next_pow2(cdiv(e, 128))))  # ~128 programs
+    chunk = max(1, min(next_pow2(nblk), 4096 // cols))
+    block_scan_kernel[(cdiv(e, cols),)](counts, total, nblk, e, CHUNK_B=chunk, COLS=cols)
     mask_row_id_map_kernel[(nblk,)](
-        m, counts, total, rid, fill, t, e, num_out_tokens, max(align_size, 1), m.stride(0),
+        m, counts, total, rid, fill, t, e, num_out_tokens, a, m.stride(0),
         BLOCK_T=bt, BLOCK_E=be, PREFETCH=min(pf, bt), num_warps=nw,
     )
     return rid, fill

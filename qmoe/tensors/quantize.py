@@ -18,8 +18,8 @@ On CPU both run the torch reference below; on CUDA the Triton kernel in
 from __future__ import annotations
 
 import torch
-import triton
 
+from qmoe._intmath import cdiv, next_pow2
 from qmoe._library import define
 from qmoe.tensors.base import QuantizedTensor
 from qmoe.tensors.recipes import MXFP8, Blockwise, PerTensor, Recipe, fp8_max
@@ -168,11 +168,11 @@ def quantize_rows_triton(
     if q.numel() == 0:
         return q, s_out
     if tile is None:
-        groups = max(1, min(512 // block_size, triton.next_power_of_2(nb)))
+        groups = max(1, min(512 // block_size, next_pow2(nb)))
         block_r, num_warps = max(1, 4096 // (groups * block_size)), 4
     else:
         block_r, groups, num_warps = tile
-    grid = (triton.cdiv(r, block_r), triton.cdiv(nb, groups))
+    grid = (cdiv(r, block_r), cdiv(nb, groups))
     e4m3 = fp8_dtype == torch.float8_e4m3fn
     quantize_rows_kernel[grid](
         x2,

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from qmoe._intmath import next_pow2
 from qmoe.ops import backend as B
 from qmoe.ops.row_id_map import make_row_id_map
 from tests.ops.helpers import routing
@@ -112,28 +113,33 @@ def test_gather_rows_kernel(kdevice, r, h):
     (1025, 17, 3, "empty_experts"),
 ])
 @pytest.mark.parametrize("align", [1, 16])
-def test_mask_map_kernel_matches_torch(kdevice, t, e, k, kind, align):
-    from qmoe.ops.row_id_map import _mask_rows, _mask_rows_triton, fill_rows
+@pytest.mark.parametrize("one_launch", [False, True], ids=["three_launches", "one_launch"])
+def test_mask_map_kernel_matches_torch(kdevice, t, e, k, kind, align, one_launch):
+    from qmoe.ops.row_id_map import SMALL_MAP_ENTRIES, _mask_rows, _mask_rows_triton, fill_rows
 
+    if one_launch and t * next_pow2(e) > SMALL_MAP_ENTRIES:
+        pytest.skip("the one-launch map serves small masks only (each program reads it all)")
     ids, mask = routing(t, e, k, kind, kdevice)
     counts = mask.sum(0) if align > 1 else mask.sum()
     for n in (int(mask.sum()), int(mask.sum()) // 2, 1000):
         for m in (mask, mask.to(torch.int32)):
-            rid, fill = _mask_rows_triton(m, n, align)
+            rid, fill = _mask_rows_triton(m, n, align, one_launch=one_launch)
             assert torch.equal(rid, _mask_rows(m, n, align))
             assert torch.equal(fill, fill_rows(counts, n, align))
 
 
 @pytest.mark.parametrize("tiling", [(1, 1, 1), (4, 2, 1), (32, 1, 32), (64, 4, 3)])
-def test_mask_map_kernel_tilings(kdevice, tiling):
+@pytest.mark.parametrize("one_launch", [False, True], ids=["three_launches", "one_launch"])
+def test_mask_map_kernel_tilings(kdevice, tiling, one_launch):
     """Blocks of one token, loads one row ahead, all rows ahead, a prefetch depth that does
-    not divide the block, a last block cut short (300 tokens): the same map and fill."""
+    not divide the block, a last block cut short (300 tokens): the same map and fill. The
+    one-launch form walks the 300 rows in several steps (64 rows a step at E = 40)."""
     from qmoe.ops.row_id_map import MapTiling, _mask_rows, _mask_rows_triton, fill_rows
 
     ids, mask = routing(300, 40, 3, "sentinels", kdevice)
     for n in (int(mask.sum()) - 7, int(mask.sum()) + 50):
         for align in (1, 8):
-            got, fill = _mask_rows_triton(mask, n, align, MapTiling(*tiling))
+            got, fill = _mask_rows_triton(mask, n, align, MapTiling(*tiling), one_launch)
             assert torch.equal(got, _mask_rows(mask, n, align))
             assert torch.equal(fill, fill_rows(mask.sum(0) if align > 1 else mask.sum(), n,
                                                align))

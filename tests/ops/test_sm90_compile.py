@@ -81,7 +81,8 @@ def _launches():
     probs = torch.rand(t, e)
     n = int(mask.sum()) + 8
     for align in (1, 16):
-        _mask_rows_triton(mask, n, align)
+        for one in (False, True):
+            _mask_rows_triton(mask, n, align, one_launch=one)
     _mask_rows_triton(mask, n, 1, MapTiling(32, 8, 32))  # every row loaded up front
     rid, fill = make_row_id_map(mask, n, False, 1)
     side = torch.rand(t, 2)

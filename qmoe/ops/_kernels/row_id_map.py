@@ -1,4 +1,4 @@
-"""Triton code building the mask-map row_id_map in three launches (no torch ops between).
+"""Triton code building the mask-map row_id_map in three launches, or one for small masks.
 
 Glossary: T tokens, E experts, N output rows, NBLK blocks of BLOCK_T tokens (one row of
 counts each), BLOCK_E = next_pow2(E), A the padding alignment. Launcher:
@@ -17,6 +17,11 @@ rows ahead, and per row does one scan and one sum across the row's experts.
    its tokens inside the block (the running count), drops rows ``>= N``, and packs
    each token's kept routes to the front of its map row (a cumsum across the experts).
    Program 0 also writes ``fill``, the row ranges no route writes (``row_id_map.py``).
+
+Small masks (a few tens of KB) take one launch instead of three:
+``mask_row_id_map_small_kernel`` has every program count the whole mask itself (passes 1
+and 2 done redundantly, per program), then map its block as pass 3 does. At that size the
+host cost of a launch (tens of microseconds) outweighs the redundant reads.
 """
 
 import triton
@@ -91,10 +96,59 @@ def mask_row_id_map_kernel(
     cols = tl.arange(0, BLOCK_E)
     cmask = cols < E
     total = tl.load(total_ptr + cols, mask=cmask, other=0)
+    before = tl.load(before_ptr + blk.to(tl.int64) * E + cols, mask=cmask, other=0)
+    _map_block(mask_ptr, map_ptr, fill_ptr, blk, total, before, T, E, N, A, stride_t, cols,
+               BLOCK_T, BLOCK_E, PREFETCH)
+
+
+@triton.jit
+def mask_row_id_map_small_kernel(
+    mask_ptr,  # (T, E) uint8 / int32 / int64, row stride stride_t
+    map_ptr,  # (T, 2E+1) int32 out
+    fill_ptr,  # (E+1, 2) int32 out if A > 1, else (1, 2): row ranges no route writes
+    T,
+    E,
+    N,
+    A,
+    stride_t,
+    BLOCK_T: tl.constexpr,  # tokens per block
+    BLOCK_E: tl.constexpr,
+    CHUNK_T: tl.constexpr,  # mask rows per step of the counting walk
+    PREFETCH: tl.constexpr,
+):
+    """The whole map in one launch, for small masks: every program counts the full mask
+    itself (per expert: all tokens, and the tokens before its block), then maps its
+    block as ``mask_row_id_map_kernel`` does. Each program reads T*E entries, so the
+    launcher uses it only while that is a few tens of KB (launch overhead dominates)."""
+    blk = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_E)
+    cmask = cols < E
+    rows = tl.arange(0, CHUNK_T)
+    t0 = blk * BLOCK_T
+    total = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    before = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    for c0 in range(0, T, CHUNK_T):
+        t = c0 + rows
+        m = tl.load(mask_ptr + t.to(tl.int64)[:, None] * stride_t + cols[None, :],
+                    mask=(t < T)[:, None] & cmask[None, :], other=0)
+        mi = (m != 0).to(tl.int32)
+        total += tl.sum(mi, axis=0)
+        before += tl.sum(tl.where((t < t0)[:, None], mi, 0), axis=0)
+    _map_block(mask_ptr, map_ptr, fill_ptr, blk, total, before, T, E, N, A, stride_t, cols,
+               BLOCK_T, BLOCK_E, PREFETCH)
+
+
+@triton.jit
+def _map_block(mask_ptr, map_ptr, fill_ptr, blk, total, before, T, E, N, A, stride_t, cols,
+               BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, PREFETCH: tl.constexpr):
+    """Block ``blk``'s map rows from ``total`` (tokens per expert) and ``before`` (tokens
+    of earlier blocks per expert), both ``[BLOCK_E]`` int32 (zero past E); block 0 also
+    writes ``fill`` (arguments as in ``mask_row_id_map_kernel``)."""
+    cmask = cols < E
     padded = (total + (A - 1)) // A * A
     start = tl.cumsum(padded, axis=0) - padded
     # the next row of each expert: its start plus the tokens of earlier blocks and rows
-    run = start + tl.load(before_ptr + blk.to(tl.int64) * E + cols, mask=cmask, other=0)
+    run = start + before
     width = 2 * E + 1
     minus1 = tl.full((BLOCK_E,), -1, dtype=tl.int32)
     t0 = blk * BLOCK_T
