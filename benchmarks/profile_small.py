@@ -42,6 +42,26 @@ def _empty24(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, n0, n1, n2, n3, n
     pass
 
 
+@triton.jit
+def _empty_ptrs12(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11):
+    pass
+
+
+@triton.jit
+def _empty_ints20(a0, n0, n1, n2, n3, n4, n5, n6, n7, n8, n9, n10, n11, n12, n13, n14, n15,
+                  n16, n17, n18, n19):
+    pass
+
+
+_NOSPEC = [f"n{i}" for i in range(20)]
+
+
+@triton.jit(do_not_specialize=_NOSPEC)
+def _empty_ints20_nospec(a0, n0, n1, n2, n3, n4, n5, n6, n7, n8, n9, n10, n11, n12, n13, n14,
+                         n15, n16, n17, n18, n19):
+    pass
+
+
 def host_us(fn, calls: int) -> float:
     for _ in range(20):
         fn()
@@ -86,7 +106,11 @@ def main() -> None:
         "triton empty kernel, 1 arg": lambda: _empty1[(1,)](x),
         "triton empty kernel, 24 args": lambda: _empty24[(1,)](
             *([x] * 12), *ints, F0=1, F1=2, F2=3, F3=4),
+        "triton empty kernel, 12 tensors": lambda: _empty_ptrs12[(1,)](*([x] * 12)),
+        "triton empty kernel, 1 tensor + 20 ints": lambda: _empty_ints20[(1,)](x, *range(20)),
+        "... same, ints do_not_specialize": lambda: _empty_ints20_nospec[(1,)](x, *range(20)),
         "torch.empty": lambda: torch.empty(n, h, dtype=x.dtype, device=dev),
+        "x.new_empty": lambda: x.new_empty((n, h)),
         "qmoe::make_row_id_map(mask)": lambda: torch.ops.qmoe.make_row_id_map(mask, n, False, 1),
         "qmoe::permute (rows only)": lambda: torch.ops.qmoe.permute(x, rid, None, n),
         "moe_permute(mask)": lambda: qmoe.moe_permute(x, mask, n),
@@ -100,7 +124,7 @@ def main() -> None:
     for name, fn in cases.items():
         us = host_us(fn, a.calls)
         nl = launches(fn)
-        g = graph_median_ms(fn, rep=50) if not name.startswith("torch.empty") else None
+        g = graph_median_ms(fn, rep=50) if "empty" not in name[-12:] else None
         rows.append({"case": name, "host_us": round(us, 1), "launches": nl,
                      "graph_us": None if g is None else round(g * 1e3, 1)})
         print(f"{name:>34}: host {us:7.1f} us/call, {nl} launches, graph "
