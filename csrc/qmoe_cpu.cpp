@@ -26,6 +26,9 @@
 #ifdef __linux__
 #include <sys/mman.h>
 #endif
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 namespace qmoe {
 namespace {
@@ -48,6 +51,37 @@ Tensor big_empty(at::IntArrayRef sizes, const at::TensorOptions& opt) {
   }
 #endif
   return t;
+}
+
+// One row copy for the permute: with SSE2 (every x86-64), 16-byte aligned rows of a
+// multiple of 64 bytes go out with streaming stores. The output is far larger than the
+// caches and not read back by this op, so the stores skip the read-for-ownership of each
+// line a plain store pays (what a large memcpy does too). Callers fence once per token
+// (stream_fence) so the rows are visible before the parallel region ends.
+inline void copy_row(char* dst, const char* src, int64_t bytes) {
+#if defined(__SSE2__)
+  if ((bytes & 63) == 0 && ((reinterpret_cast<uintptr_t>(dst) |
+                             reinterpret_cast<uintptr_t>(src)) & 15) == 0) {
+    auto* d = reinterpret_cast<__m128i*>(dst);
+    const auto* p = reinterpret_cast<const __m128i*>(src);
+    for (int64_t i = 0; i < bytes / 16; i += 4) {
+      const __m128i a = _mm_load_si128(p + i), b = _mm_load_si128(p + i + 1);
+      const __m128i c = _mm_load_si128(p + i + 2), e = _mm_load_si128(p + i + 3);
+      _mm_stream_si128(d + i, a);
+      _mm_stream_si128(d + i + 1, b);
+      _mm_stream_si128(d + i + 2, c);
+      _mm_stream_si128(d + i + 3, e);
+    }
+    return;
+  }
+#endif
+  std::memcpy(dst, src, bytes);
+}
+
+inline void stream_fence() {
+#if defined(__SSE2__)
+  _mm_sfence();
+#endif
 }
 
 #define QMOE_CHECK(cond, op, ...) TORCH_CHECK(cond, "qmoe::", op, ": ", __VA_ARGS__)
@@ -236,9 +270,10 @@ Tensor permute_rows(const Tensor& inp, const Tensor& rid, int64_t n,
       for (int32_t s = 0; s < cnt; ++s) {
         TORCH_CHECK(dst[s] >= 0 && dst[s] < n, "qmoe::permute: row_id_map row ", dst[s],
                     " out of range for num_out_tokens=", n, "; rebuild the map for this N");
-        std::memcpy(o + dst[s] * rb, xp + t * xs, rb);
+        copy_row(o + dst[s] * rb, xp + t * xs, rb);
         written[dst[s]] = 1;
       }
+      stream_fence();
     });
   } else {
     const Tensor& w = *weights;
@@ -332,28 +367,47 @@ void store_row(const float* acc, out_t* o, int64_t h) {
   }
 }
 
+// Asks for [p, p + bytes) in cache ahead of use, a line at a time.
+inline void prefetch_bytes(const char* p, int64_t bytes) {
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i, 0, 3);
+}
+
+// Columns of a row the merge sums at a time, over all of a token's routes: the routes' rows
+// are read as that many concurrent streams (more reads in flight than one row after
+// another), and the fp32 sums stay in L1. A multiple of 128, so block scales of 1x32 and
+// 1x128 blocks never straddle two steps.
+constexpr int64_t kMergeCols = 1024;
+
 // acc[t] += float(row) * weight, rows in map order (weight 1 without merging probs: exact).
-// `add_row(d, acc, weight, scratch)` adds row d (scratch: H floats it may use); the sums are
-// separate multiply and add, as the torch path.
-template <typename out_t, typename AddRow>
+// `add_row(d, acc, weight, scratch, lo, hi)` adds columns [lo, hi) of row d into acc[lo:hi]
+// (scratch: H floats it may use); the sums are separate multiply and add, as the torch
+// path, and each column sees the routes in map order whatever the column steps.
+template <typename out_t, typename AddRow, typename Prefetch>
 Tensor merge(const Tensor& rid, int64_t h, int64_t nrows, const c10::optional<Tensor>& w,
-             at::TensorOptions opt, AddRow add_row) {
+             at::TensorOptions opt, AddRow add_row, Prefetch prefetch) {
   const int64_t t = rid.size(0);
   auto out = big_empty({t, h}, opt);
   out_t* o = out.data_ptr<out_t>();
   const int64_t s_ = slots_of(rid), width = 2 * s_ + 1;
   const int32_t* m = rid.data_ptr<int32_t>();
   at::parallel_for(0, t, 16, [&](int64_t b, int64_t e) {
-    std::vector<float> acc(h), v(h);
+    std::vector<float> acc(h), v(h), wts(s_);
     for (int64_t i = b; i < e; ++i) {
       const int32_t* dst = m + i * width;
       const int32_t* col = dst + s_;
       const int32_t cnt = dst[2 * s_];
-      std::fill(acc.begin(), acc.end(), 0.f);
       for (int32_t s = 0; s < cnt; ++s) {
         TORCH_CHECK(dst[s] >= 0 && dst[s] < nrows, "qmoe: row_id_map row ", dst[s],
                     " out of range for an input of ", nrows, " rows");
-        add_row(dst[s], acc.data(), w.has_value() ? weight_at(*w, i, col[s]) : 1.f, v.data());
+        wts[s] = w.has_value() ? weight_at(*w, i, col[s]) : 1.f;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t lo = 0; lo < h; lo += kMergeCols) {
+        const int64_t hi = std::min(h, lo + kMergeCols);
+        for (int32_t s = 0; s < cnt; ++s) {
+          if (hi < h) prefetch(dst[s], hi, std::min(h, hi + kMergeCols));
+          add_row(dst[s], acc.data(), wts[s], v.data(), lo, hi);
+        }
       }
       store_row(acc.data(), o + i * h, h);
     }
@@ -379,14 +433,16 @@ Tensor unpermute(const Tensor& inp, const Tensor& rid, const c10::optional<Tenso
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "unpermute", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     out = merge<scalar_t>(rid, h, nrows, w, x.options(),
-                          [&](int32_t d, float* acc, float wt, float* v) {
+                          [&](int32_t d, float* acc, float wt, float* v, int64_t lo, int64_t hi) {
       const scalar_t* r = xp + d * h;
       if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-        accumulate_bf16_scaled(acc, reinterpret_cast<const uint16_t*>(r), wt, h);
+        accumulate_bf16_scaled(acc + lo, reinterpret_cast<const uint16_t*>(r) + lo, wt, hi - lo);
       } else {
-        for (int64_t j = 0; j < h; ++j) v[j] = static_cast<float>(r[j]);
-        accumulate_scaled(acc, v, wt, h);
+        for (int64_t j = lo; j < hi; ++j) v[j] = static_cast<float>(r[j]);
+        accumulate_scaled(acc + lo, v + lo, wt, hi - lo);
       }
+    }, [&](int32_t d, int64_t lo, int64_t hi) {
+      prefetch_bytes(reinterpret_cast<const char*>(xp + d * h + lo), (hi - lo) * sizeof(scalar_t));
     });
   });
   return out;
@@ -432,16 +488,18 @@ Tensor unpermute_fp8(const Tensor& qbits, const Tensor& scale, const Tensor& rid
   Tensor out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out_dtype, "unpermute_fp8", [&] {
     out = merge<scalar_t>(rid, h, nrows, w, q.options().dtype(out_dtype),
-                          [&](int32_t d, float* acc, float wt, float* v) {
+                          [&](int32_t d, float* acc, float wt, float* v, int64_t c0, int64_t c1) {
       const uint8_t* r = qp + d * h;
-      for (int64_t lo = 0; lo < h; lo += (layout == 0 ? h : block_size)) {
-        const int64_t hi = layout == 0 ? h : std::min(h, lo + block_size);
+      for (int64_t lo = c0; lo < c1; lo += (layout == 0 ? c1 - c0 : block_size)) {
+        const int64_t hi = layout == 0 ? c1 : std::min(c1, lo + block_size);
         const float s = layout == 0 ? s0
                         : layout == 1 ? sf[d * nb + lo / block_size]
                                       : e8m0_value(sb[d * nb + lo / block_size]);
         for (int64_t j = lo; j < hi; ++j) v[j] = lut[r[j]] * s;
       }
-      accumulate_scaled(acc, v, wt, h);
+      accumulate_scaled(acc + c0, v + c0, wt, c1 - c0);
+    }, [&](int32_t d, int64_t lo, int64_t hi) {
+      prefetch_bytes(reinterpret_cast<const char*>(qp + d * h + lo), hi - lo);
     });
   });
   return out;

@@ -2,6 +2,8 @@
 for data movement and quantization, fp64 for merges. Skipped when built with
 QMOE_SKIP_CPP_BUILD=1 (CI runs the suite both ways)."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -44,13 +46,18 @@ def test_maps(t, e, k, kind):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
-    "t,h,e,k,extra", [(63, 17, 7, 3, 0), (100, 300, 16, 4, -30), (5, 1, 4, 4, 6)]
+    "t,h,e,k,extra",
+    # H = 2112: rows of a multiple of 64 bytes (the permute's streaming-store copy) and
+    # merges that step over more than one 1024-column chunk
+    [(63, 17, 7, 3, 0), (100, 300, 16, 4, -30), (5, 1, 4, 4, 6), (40, 2112, 8, 3, 5)],
 )
-def test_move_and_merge(dtype, t, h, e, k, extra):
+@pytest.mark.parametrize("offset", [0, 3], ids=["aligned", "misaligned_rows"])
+def test_move_and_merge(dtype, t, h, e, k, extra, offset):
     ids, mask = routing(t, e, k, "sentinels")
     n = max(0, int(mask.sum()) + extra)
     rid = _mask_rows(mask, n, 1)
-    x = torch.randn(t, h).to(dtype)
+    # offset 3: rows start 3 elements into a wider buffer (not 16-byte aligned)
+    x = torch.randn(t, h + offset).to(dtype)[:, offset:]
     probs = torch.rand(t, e)
     out, pp = ops.permute(x, rid, probs, n)
     assert_same_bits(out, B.permute_rows(x, rid, n, use_triton=False))
@@ -73,9 +80,9 @@ def test_unpermute_fp8(recipe):
     ids, mask = routing(t, e, 3, "random")
     n = int(mask.sum())
     rid = _mask_rows(mask, n, 1)
-    q = qmoe.quantize(torch.randn(n, 200) * 10, r)
     w = torch.rand(t, e)
-    for weights in (None, w):
+    for h, weights in itertools.product((200, 2304), (None, w)):  # 2304: two merge chunks+
+        q = qmoe.quantize(torch.randn(n, h) * 10, r)
         got = ops.unpermute_fp8(_bits(q), q.raw_scale, rid, weights, _layout(q),
                                 q.block_size or 0, q.fp8_dtype, torch.float32)
         want = B.unpermute_fp8_rows(_bits(q), q.raw_scale, _layout(q), q.block_size or 0,
