@@ -1,11 +1,16 @@
 """CPU paths side by side: C++ kernels (qmoe._C), the vectorized torch path, plain PyTorch.
 
-    python benchmarks/bench_cpu.py [--out results.json] [--iters 5]
+    python benchmarks/bench_cpu.py [--out results.json] [--iters 5] [--cpp-only]
+    GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736 \
+        python benchmarks/bench_cpu.py --out reuse.json   # outputs reuse faulted-in pages
 
 Configs (T, H, E, K), bf16: dsv3 (4096, 7168, 256, 8) and mixtral (8192, 4096, 8, 2).
 Bytes: each input row read once and each output row written once. The ceiling is a
-single-threaded memcpy (numpy copyto of 512 MiB, bytes read + written) measured in the
-same run. Medians over --iters runs.
+single-threaded memcpy (numpy copyto of 512 MiB, bytes read + written, into a buffer
+already written once) measured in the same run; next to it the same copy into a fresh
+buffer each time (what any op with a new large output pays: with glibc's defaults every
+large block is a fresh mmap, whose pages the kernel zero-fills on first touch). Medians
+over --iters runs; the JSON records GLIBC_TUNABLES.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import sys
 
 import numpy as np
@@ -30,14 +36,18 @@ from qmoe.ops.row_id_map import _mask_rows  # noqa: E402
 CONFIGS = {"dsv3": (4096, 7168, 256, 8), "mixtral": (8192, 4096, 8, 2)}
 
 
-def memcpy_gbs() -> float:
+def memcpy_gbs(fresh: bool = False) -> float:
+    """Single-threaded copy of 512 MiB, bytes read + written: into one buffer written
+    before, or (``fresh``) into a new buffer each time."""
     src = np.random.rand(1 << 26)  # 512 MiB of float64
     dst = np.empty_like(src)
-    ms = median_ms(lambda: np.copyto(dst, src), warmup=1, iters=5)
+    fn = (lambda: np.copyto(np.empty_like(src), src)) if fresh else (
+        lambda: np.copyto(dst, src))
+    ms = median_ms(fn, warmup=1, iters=5)
     return 2 * src.nbytes / (ms * 1e-3) / 1e9
 
 
-def run_config(name: str, bw: float, iters: int) -> list[dict]:
+def run_config(name: str, bw: float, iters: int, cpp_only: bool = False) -> list[dict]:
     t, h, e, k = CONFIGS[name]
     rows = []
     n = t * k
@@ -74,16 +84,24 @@ def run_config(name: str, bw: float, iters: int) -> list[dict]:
         },
     }
     for op, impls in cases.items():
-        res = {k_: median_ms(f, warmup=1, iters=iters) for k_, f in impls.items()}
+        if cpp_only:
+            impls = {"c++": impls["c++"]}
+        sys0 = resource.getrusage(resource.RUSAGE_SELF).ru_stime
+        res = {"c++": median_ms(impls["c++"], warmup=1, iters=iters)}
+        sys_ms = (resource.getrusage(resource.RUSAGE_SELF).ru_stime - sys0) / (iters + 1) * 1e3
+        res.update({k_: median_ms(f, warmup=1, iters=iters) for k_, f in impls.items()
+                    if k_ != "c++"})
         gbs = move / (res["c++"] * 1e-3) / 1e9
         row = {"config": name, "T": t, "H": h, "E": e, "K": k, "op": op,
                **{f"{k_}_ms": round(v, 2) for k_, v in res.items()},
-               "c++_GB/s": round(gbs, 2), "pct_memcpy": round(100 * gbs / bw, 1),
-               "speedup_vs_torch_path": round(res["torch path"] / res["c++"], 2)}
+               "c++_system_ms_per_call": round(sys_ms, 2),
+               "c++_GB/s": round(gbs, 2), "pct_memcpy": round(100 * gbs / bw, 1)}
+        if not cpp_only:
+            row["speedup_vs_torch_path"] = round(res["torch path"] / res["c++"], 2)
         rows.append(row)
+        others = "".join(f", {k_} {v:8.2f} ms" for k_, v in res.items() if k_ != "c++")
         print(f"{name:>8} {op:>26}: c++ {res['c++']:8.2f} ms ({100 * gbs / bw:5.1f}% of "
-              f"memcpy), torch path {res['torch path']:8.2f} ms, plain "
-              f"{res['plain pytorch']:8.2f} ms", file=sys.stderr)
+              f"memcpy; system time {sys_ms:6.2f} ms a call){others}", file=sys.stderr)
     return rows
 
 
@@ -91,16 +109,23 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=None)
     p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--cpp-only", action="store_true",
+                   help="time the C++ path alone (no torch-path or plain-PyTorch runs between)")
     a = p.parse_args()
     if not cpp_loaded():
         print("bench_cpu: qmoe._C is not built (QMOE_SKIP_CPP_BUILD=1?); nothing to compare")
         return
     bw = memcpy_gbs()
+    fresh_bw = memcpy_gbs(fresh=True)
+    print(f"single-thread memcpy {bw:.1f} GB/s (into a fresh buffer: {fresh_bw:.1f} GB/s); "
+          f"GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '')!r}", file=sys.stderr)
     rows = []
     for name in CONFIGS:
-        rows += run_config(name, bw, a.iters)
+        rows += run_config(name, bw, a.iters, a.cpp_only)
     payload = {"bench": "cpu", "torch": torch.__version__, "threads": torch.get_num_threads(),
-               "memcpy_1thread_GB/s": round(bw, 2), "results": rows}
+               "memcpy_1thread_GB/s": round(bw, 2),
+               "memcpy_1thread_fresh_dst_GB/s": round(fresh_bw, 2),
+               "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""), "results": rows}
     text = json.dumps(payload, indent=2)
     if a.out:
         with open(a.out, "w") as f:
