@@ -2,11 +2,12 @@
 
     python3 benchmarks/profile_small.py [--config small] [--out small.json] [--cprofile 25]
 
-For each case: host microseconds per call with calls issued back to back (``--calls`` calls,
-one synchronize at the end: the CPU-bound rate an eager training step sees), the kernels
-one call launches (torch.profiler), and the GPU time from a CUDA-graph replay. Then a
-cProfile of ``moe_permute(mask)`` (top functions by own time). Baselines: an empty Triton
-kernel with 1 and with 24 arguments, ``torch.empty``, and a ``qmoe::`` op's dispatch.
+For each case: host microseconds per call with calls issued back to back (the best of five
+rounds of ``--calls / 5`` calls, one synchronize after each: the CPU-bound rate an eager
+training step sees), the kernels one call launches (torch.profiler), and the GPU time from
+a CUDA-graph replay. Then a cProfile of ``moe_permute(mask)`` (top functions by own time).
+Baselines: empty Triton kernels by argument count and kind, ``torch.empty``, and the mask
+map built with three launches and with one (``_mask_rows_triton(..., one_launch=)``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from bench_permute import CONFIGS  # noqa: E402
 from common import env_info, graph_median_ms, write_json  # noqa: E402
 
 import qmoe  # noqa: E402
+from qmoe.ops.row_id_map import _mask_rows_triton  # noqa: E402
 
 
 @triton.jit
@@ -62,15 +64,21 @@ def _empty_ints20_nospec(a0, n0, n1, n2, n3, n4, n5, n6, n7, n8, n9, n10, n11, n
     pass
 
 
-def host_us(fn, calls: int) -> float:
+def host_us(fn, calls: int, rounds: int = 5) -> float:
+    """Best of ``rounds`` rounds of ``calls // rounds`` back-to-back calls (the host of the
+    GPU machine is shared: single rounds vary by up to 2x between runs)."""
     for _ in range(20):
         fn()
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / calls * 1e6
+    best = float("inf")
+    per = max(1, calls // rounds)
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(per):
+            fn()
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - t0) / per * 1e6)
+    return best
 
 
 def launches(fn) -> int:
@@ -111,6 +119,8 @@ def main() -> None:
         "... same, ints do_not_specialize": lambda: _empty_ints20_nospec[(1,)](x, *range(20)),
         "torch.empty": lambda: torch.empty(n, h, dtype=x.dtype, device=dev),
         "x.new_empty": lambda: x.new_empty((n, h)),
+        "mask map, three launches": lambda: _mask_rows_triton(mask, n, 1, one_launch=False),
+        "mask map, one launch": lambda: _mask_rows_triton(mask, n, 1, one_launch=True),
         "qmoe::make_row_id_map(mask)": lambda: torch.ops.qmoe.make_row_id_map(mask, n, False, 1),
         "qmoe::permute (rows only)": lambda: torch.ops.qmoe.permute(x, rid, None, n),
         "moe_permute(mask)": lambda: qmoe.moe_permute(x, mask, n),
