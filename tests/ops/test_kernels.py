@@ -133,7 +133,7 @@ def test_mask_map_kernel_matches_torch(kdevice, t, e, k, kind, align, one_launch
 def test_mask_map_kernel_tilings(kdevice, tiling, one_launch):
     """Blocks of one token, loads one row ahead, all rows ahead, a prefetch depth that does
     not divide the block, a last block cut short (300 tokens): the same map and fill. The
-    one-launch form walks the 300 rows in several steps (64 rows a step at E = 40)."""
+    one-launch form walks the 300 rows in several steps (128 rows a step at E = 40)."""
     from qmoe.ops.row_id_map import MapTiling, _mask_rows, _mask_rows_triton, fill_rows
 
     ids, mask = routing(300, 40, 3, "sentinels", kdevice)
