@@ -91,28 +91,31 @@ def permute_rows(
         x = x.contiguous()
     bh, nw, kb = scatter_tile(h, x.element_size(), weights is not None)
     has_f = fill is not None
-    written = fill if has_f else torch.zeros(n, dtype=torch.int8, device=x.device)
+    # Arguments a launch does not use go in as None (Triton makes them compile-time
+    # constants): each tensor argument costs about 2 us of host time per launch in Triton's
+    # binding, which is most of a small eager call (benchmarks/profile_small.py).
+    written = None if has_f else torch.zeros(n, dtype=torch.int8, device=x.device)
     has_p = probs is not None
-    p = probs if has_p else written
-    pp = probs_out if has_p else written
     has_s = side is not None
     if has_s and side.stride(1) != 1:
         side = side.contiguous()
-    sd, so = (side, side_out) if has_s else (written, written)
     ns = side.shape[1] if has_s else 0
     bs = next_pow2(max(ns, 1))
     progs, r, z = scatter_programs(t, n, fill)
     if progs:
-        w = weights if weights is not None else x
+        has_w = weights is not None
         permute_scatter_kernel[(progs, cdiv(max(h, 1), bh))](
-            x, out, rid, w, written, fill if has_f else written, p, pp, sd, so, t, n, h,
-            num_slots(rid), ns, r, z, x.stride(0), w.stride(0), p.stride(0) if has_p else 0,
-            side.stride(0) if has_s else 0, HAS_W=weights is not None, HAS_P=has_p,
-            HAS_SIDE=has_s, HAS_FILL=has_f, KB=kb, BLOCK_H=bh, BLOCK_S=bs, num_warps=nw,
+            x, out, rid, weights, written, fill, probs, probs_out if has_p else None, side,
+            side_out if has_s else None, t, n, h,
+            num_slots(rid), ns, r, z, x.stride(0), weights.stride(0) if has_w else None,
+            probs.stride(0) if has_p else None, side.stride(0) if has_s else None,
+            HAS_W=has_w, HAS_P=has_p, HAS_SIDE=has_s, HAS_FILL=has_f, KB=kb, BLOCK_H=bh,
+            BLOCK_S=bs, num_warps=nw,
         )
     if not has_f:
         zero_rows_kernel[(cdiv(n, 64),)](
-            out, written, pp, so, n, h, ns, HAS_P=has_p, HAS_SIDE=has_s, BLOCK_R=64,
+            out, written, probs_out if has_p else None, side_out if has_s else None, n, h, ns,
+            HAS_P=has_p, HAS_SIDE=has_s, BLOCK_R=64,
             BLOCK_H=min(bh, 64), BLOCK_S=bs, num_warps=4,
         )
     return out

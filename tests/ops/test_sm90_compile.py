@@ -38,7 +38,7 @@ def _spec(fn, args, kwargs):
     sig, consts, attrs = {}, {}, {}
     for i, name in enumerate(names):
         v = bound[name]
-        if i in fn.constexprs:
+        if i in fn.constexprs or v is None:  # None arguments are constants, as in Triton
             consts[(i,)] = True if name == "HW_CAST" else v
             sig[name] = "constexpr"
         elif isinstance(v, torch.Tensor):
