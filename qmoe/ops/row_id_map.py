@@ -16,8 +16,9 @@ Routes whose row would be ``>= num_out_tokens`` are dropped: they are absent fro
 so nothing ever writes past the output. T is ``row_id_map.shape[0]``.
 
 The map is built on the input's device with a handful of linear passes (cumulative sums
-over ``[T, S]`` and, for index maps, one stable sort of the ``T*K`` expert ids); there is
-no host sync and no workspace kept between calls.
+over ``[T, S]`` and, for index maps, one stable sort of the ``T*K`` expert ids; on CUDA,
+Triton kernels: three launches for a mask, or one for a small mask or a small index map);
+there is no host sync and no workspace kept between calls.
 
 ``make_row_id_map`` also returns ``fill``: ``int32 [R, 2]``, the row ranges ``[lo, hi)``
 of the output that no route writes, so the permute kernels zero exactly those rows in
@@ -188,6 +189,28 @@ def _mask_rows_triton(
     return rid, fill
 
 
+#: Index-map entries (T * K) up to which the map is built in one launch, without a sort
+#: (``index_row_id_map_small_kernel``); larger index maps take the sorting torch path.
+SMALL_INDEX_ENTRIES = 1 << 13
+
+
+def _index_rows_triton(routing_map: torch.Tensor, num_out_tokens: int):
+    """``(row_id_map, fill)`` of a small index map in one Triton launch (CUDA, or the
+    interpreter); equal to ``_index_rows`` and its ``fill``."""
+    from qmoe.ops._kernels.row_id_map import index_row_id_map_small_kernel
+
+    t, k = routing_map.shape
+    ids = routing_map if routing_map.stride(1) == 1 else routing_map.contiguous()
+    rid = ids.new_empty((t, 2 * k + 1), dtype=torch.int32)
+    fill = rid.new_empty((1, 2))
+    bk = next_pow2(k)
+    index_row_id_map_small_kernel[(t,)](
+        ids, rid, fill, t, k, num_out_tokens, ids.stride(0), BLOCK_K=bk,
+        CHUNK=max(16, min(next_pow2(t * k), 8192 // bk)), num_warps=4,
+    )
+    return rid, fill
+
+
 @define(
     "make_row_id_map(Tensor routing_map, SymInt num_out_tokens, bool is_index, int align_size) "
     "-> (Tensor, Tensor)"
@@ -199,6 +222,9 @@ def make_row_id_map(
     index routing map. No host sync."""
     n = num_out_tokens
     if is_index:
+        t, k = routing_map.shape
+        if routing_map.is_cuda and 0 < t * k <= SMALL_INDEX_ENTRIES:
+            return _index_rows_triton(routing_map, n)
         return _index_rows(routing_map, n), fill_rows((routing_map >= 0).sum(), n, 1)
     if routing_map.is_cuda:
         return _mask_rows_triton(routing_map, n, align_size)

@@ -128,6 +128,41 @@ def test_mask_map_kernel_matches_torch(kdevice, t, e, k, kind, align, one_launch
             assert torch.equal(fill, fill_rows(counts, n, align))
 
 
+@pytest.mark.parametrize("t,e,k,kind", [
+    (1, 4, 2, "random"), (63, 7, 3, "sentinels"), (100, 256, 8, "no_route_tokens"),
+    (33, 8, 8, "one_expert"), (300, 40, 6, "empty_experts"), (5, 3, 1, "random"),
+])
+def test_index_map_kernel_matches_torch(kdevice, t, e, k, kind):
+    """The one-launch index map (rank counting, no sort) equals the sorting torch path,
+    for several id dtypes, N below/at/above the routed count, and T*K = 1800 entries
+    (the counting walk takes two steps)."""
+    from qmoe.ops.row_id_map import _index_rows, _index_rows_triton, fill_rows
+
+    ids, _ = routing(t, e, k, kind, kdevice)
+    routed = int((ids >= 0).sum())
+    for n in (routed, routed // 2, routed + 9):
+        for dt in (torch.int64, torch.int32, torch.int8)[: 3 if e <= 127 else 2]:
+            rid, fill = _index_rows_triton(ids.to(dt), n)
+            assert torch.equal(rid, _index_rows(ids, n))
+            assert torch.equal(fill, fill_rows((ids >= 0).sum(), n, 1))
+
+
+def test_index_map_kernel_duplicate_ids(kdevice):
+    """A token may name one expert in several slots (no mask can say that): its routes
+    rank in slot order, as the stable sorts of the torch path put them."""
+    from qmoe.ops.row_id_map import _index_rows, _index_rows_triton
+
+    ids = torch.tensor([[2, 0, 2, -1], [1, 1, 1, 1], [-1, -1, -1, -1], [0, 2, 0, 1]],
+                       device=kdevice)
+    for n in (11, 6, 20):
+        rid, _ = _index_rows_triton(ids, n)
+        assert torch.equal(rid, _index_rows(ids, n))
+    # a strided view (every other column of a wider matrix)
+    wide = torch.stack([ids, ids.flip(1)], dim=2).reshape(4, 8)
+    rid, _ = _index_rows_triton(wide[:, ::2], 9)
+    assert torch.equal(rid, _index_rows(ids, 9))
+
+
 @pytest.mark.parametrize("tiling", [(1, 1, 1), (4, 2, 1), (32, 1, 32), (64, 4, 3)])
 @pytest.mark.parametrize("one_launch", [False, True], ids=["three_launches", "one_launch"])
 def test_mask_map_kernel_tilings(kdevice, tiling, one_launch):

@@ -65,7 +65,12 @@ def _launches():
     from qmoe.ops import backend as B
     from qmoe.ops.fp8 import _bits, _layout
     from qmoe.ops.quantize_permute import quantize_permute_triton
-    from qmoe.ops.row_id_map import MapTiling, _mask_rows_triton, make_row_id_map
+    from qmoe.ops.row_id_map import (
+        MapTiling,
+        _index_rows_triton,
+        _mask_rows_triton,
+        make_row_id_map,
+    )
     from qmoe.tensors.quantize import quantize_rows_triton
     from tests.ops.helpers import routing
 
@@ -84,6 +89,9 @@ def _launches():
         for one in (False, True):
             _mask_rows_triton(mask, n, align, one_launch=one)
     _mask_rows_triton(mask, n, 1, MapTiling(32, 8, 32))  # every row loaded up front
+    ids, _ = routing(t, e, k, "sentinels")
+    for dt in (torch.int64, torch.int32):
+        _index_rows_triton(ids.to(dt), n)
     rid, fill = make_row_id_map(mask, n, False, 1)
     side = torch.rand(t, 2)
     for f in (None, fill):

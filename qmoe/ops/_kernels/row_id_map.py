@@ -21,7 +21,9 @@ rows ahead, and per row does one scan and one sum across the row's experts.
 Small masks (a few tens of KB) take one launch instead of three:
 ``mask_row_id_map_small_kernel`` has every program count the whole mask itself (passes 1
 and 2 done redundantly, per program), then map its block as pass 3 does. At that size the
-host cost of a launch (tens of microseconds) outweighs the redundant reads.
+host cost of a launch (tens of microseconds) outweighs the redundant reads. Small index
+maps likewise take one launch (``index_row_id_map_small_kernel``, counting ranks instead
+of sorting); larger ones are built with torch sorts (``row_id_map.py``).
 """
 
 import triton
@@ -182,3 +184,59 @@ def _map_block(mask_ptr, map_ptr, fill_ptr, blk, total, before, T, E, N, A, stri
         tail = 2 * ranges  # then the tail, past the (padded) total
         tl.store(fill_ptr + tail, tl.minimum(tl.sum(padded, axis=0), N))
         tl.store(fill_ptr + tail + 1, N)
+
+
+@triton.jit
+def index_row_id_map_small_kernel(
+    ids_ptr,  # (T, K) int8/16/32/64 expert ids (negative: not routed), row stride stride_t
+    map_ptr,  # (T, 2K+1) int32 out
+    fill_ptr,  # (1, 2) int32 out: [routed count clipped to N, N)
+    T,
+    K,
+    N,
+    stride_t,
+    BLOCK_K: tl.constexpr,  # next_pow2(K)
+    CHUNK: tl.constexpr,  # (token, slot) entries compared per step
+):
+    """The index map of a small ``[T, K]`` id matrix in one launch, one program per token,
+    without a sort and without knowing E: the row of route (t, k) is its rank in the order
+    (expert, token, slot) among routed entries, i.e. the routed entries with a lower
+    expert, or the same expert and an earlier flattened position ``t*K + k``. Every
+    program counts those over all T*K entries itself (T*K*K compares), so the launcher
+    uses it only for a few thousand entries. Ranks ``>= N`` are dropped; kept routes are
+    packed to the front of the map row in row order, with their slot k as the column."""
+    t = tl.program_id(0)
+    ks = tl.arange(0, BLOCK_K)
+    kmask = ks < K
+    e = tl.load(ids_ptr + t.to(tl.int64) * stride_t + ks, mask=kmask, other=-1).to(tl.int32)
+    routed = kmask & (e >= 0)
+    p = t * K + ks
+    rank = tl.zeros((BLOCK_K,), dtype=tl.int32)
+    total = tl.zeros((CHUNK,), dtype=tl.int32)
+    q0 = tl.arange(0, CHUNK)
+    for c0 in range(0, T * K, CHUNK):
+        q = c0 + q0
+        tq = q // K
+        eq = tl.load(ids_ptr + tq.to(tl.int64) * stride_t + (q - tq * K), mask=q < T * K,
+                     other=-1).to(tl.int32)
+        rq = eq >= 0
+        same = (eq[None, :] == e[:, None]) & (q[None, :] < p[:, None])
+        lower = (eq[None, :] < e[:, None]) | same
+        rank += tl.sum((rq[None, :] & lower).to(tl.int32), axis=1)
+        total += rq.to(tl.int32)
+    keep = routed & (rank < N)
+    # position among the kept routes: the kept routes of lower rank (ranks are distinct)
+    earlier = keep[None, :] & (rank[None, :] < rank[:, None])
+    slot = tl.sum(earlier.to(tl.int32), axis=1)
+    n = tl.sum(keep.to(tl.int32), axis=0)
+    rowp = map_ptr + t.to(tl.int64) * (2 * K + 1)
+    tl.store(rowp + slot, rank, mask=keep)
+    tl.store(rowp + K + slot, ks, mask=keep)
+    minus1 = tl.full((BLOCK_K,), -1, dtype=tl.int32)
+    rest = kmask & (ks >= n)
+    tl.store(rowp + ks, minus1, mask=rest)
+    tl.store(rowp + K + ks, minus1, mask=rest)
+    tl.store(rowp + 2 * K, n)
+    if t == 0:
+        tl.store(fill_ptr, tl.minimum(tl.sum(total, axis=0), N))
+        tl.store(fill_ptr + 1, N)
