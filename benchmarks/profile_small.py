@@ -55,7 +55,7 @@ def _empty_ints20(a0, n0, n1, n2, n3, n4, n5, n6, n7, n8, n9, n10, n11, n12, n13
     pass
 
 
-_NOSPEC = [f"n{i}" for i in range(20)]
+_NOSPEC = tuple(f"n{i}" for i in range(20))
 
 
 @triton.jit(do_not_specialize=_NOSPEC)

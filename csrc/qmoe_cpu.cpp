@@ -53,14 +53,15 @@ Tensor big_empty(at::IntArrayRef sizes, const at::TensorOptions& opt) {
   return t;
 }
 
-// One row copy for the permute: with SSE2 (every x86-64), 16-byte aligned rows of a
-// multiple of 64 bytes go out with streaming stores. The output is far larger than the
-// caches and not read back by this op, so the stores skip the read-for-ownership of each
-// line a plain store pays (what a large memcpy does too). Callers fence once per token
-// (stream_fence) so the rows are visible before the parallel region ends.
-inline void copy_row(char* dst, const char* src, int64_t bytes) {
+// One row copy for the permute: with `stream` and SSE2 (every x86-64), 16-byte aligned rows
+// of a multiple of 64 bytes go out with streaming stores, which skip the read-for-ownership
+// of each line a plain store pays (what a large memcpy does too) but leave nothing in cache:
+// callers ask for it only when the output is far larger than the caches (kStreamBytes),
+// and fence once per token (stream_fence) so the rows are visible before the parallel
+// region ends.
+inline void copy_row(char* dst, const char* src, int64_t bytes, bool stream) {
 #if defined(__SSE2__)
-  if ((bytes & 63) == 0 && ((reinterpret_cast<uintptr_t>(dst) |
+  if (stream && (bytes & 63) == 0 && ((reinterpret_cast<uintptr_t>(dst) |
                              reinterpret_cast<uintptr_t>(src)) & 15) == 0) {
     auto* d = reinterpret_cast<__m128i*>(dst);
     const auto* p = reinterpret_cast<const __m128i*>(src);
@@ -77,6 +78,8 @@ inline void copy_row(char* dst, const char* src, int64_t bytes) {
 #endif
   std::memcpy(dst, src, bytes);
 }
+
+constexpr int64_t kStreamBytes = int64_t{32} << 20;
 
 inline void stream_fence() {
 #if defined(__SSE2__)
@@ -100,6 +103,12 @@ void check_map(const char* op, const Tensor& rid, int64_t t) {
 // Rows of a 2-d tensor whose last dim is contiguous (any row stride).
 Tensor rows_view(const Tensor& x) { return x.stride(1) == 1 ? x : x.contiguous(); }
 
+// A map row's route count must lie in [0, S]: the kernels read that many entries of the row.
+inline void check_count(int32_t cnt, int64_t s, int64_t t) {
+  TORCH_CHECK(cnt >= 0 && cnt <= s, "qmoe: row_id_map row ", t, " counts ", cnt,
+              " routes but the map has ", s, " slots; pass the row_id_map qmoe built");
+}
+
 template <typename F>
 void for_each_route(const Tensor& rid, F f) {
   const int64_t t = rid.size(0), s = slots_of(rid), w = 2 * s + 1;
@@ -107,6 +116,7 @@ void for_each_route(const Tensor& rid, F f) {
   at::parallel_for(0, t, 64, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
       const int32_t* row = m + i * w;
+      check_count(row[2 * s], s, i);
       f(i, row, row + s, row[2 * s]);
     }
   });
@@ -266,14 +276,15 @@ Tensor permute_rows(const Tensor& inp, const Tensor& rid, int64_t n,
   const char* xp = static_cast<const char*>(x.data_ptr());
   const int64_t xs = x.stride(0) * es;
   if (!weights.has_value()) {
+    const bool stream = n * rb >= kStreamBytes;
     for_each_route(rid, [&](int64_t t, const int32_t* dst, const int32_t*, int32_t cnt) {
       for (int32_t s = 0; s < cnt; ++s) {
         TORCH_CHECK(dst[s] >= 0 && dst[s] < n, "qmoe::permute: row_id_map row ", dst[s],
                     " out of range for num_out_tokens=", n, "; rebuild the map for this N");
-        copy_row(o + dst[s] * rb, xp + t * xs, rb);
+        copy_row(o + dst[s] * rb, xp + t * xs, rb, stream);
         written[dst[s]] = 1;
       }
-      stream_fence();
+      if (stream) stream_fence();
     });
   } else {
     const Tensor& w = *weights;
@@ -396,6 +407,7 @@ Tensor merge(const Tensor& rid, int64_t h, int64_t nrows, const c10::optional<Te
       const int32_t* dst = m + i * width;
       const int32_t* col = dst + s_;
       const int32_t cnt = dst[2 * s_];
+      check_count(cnt, s_, i);
       for (int32_t s = 0; s < cnt; ++s) {
         TORCH_CHECK(dst[s] >= 0 && dst[s] < nrows, "qmoe: row_id_map row ", dst[s],
                     " out of range for an input of ", nrows, " rows");
@@ -468,7 +480,10 @@ Tensor unpermute_fp8(const Tensor& qbits, const Tensor& scale, const Tensor& rid
   check_map(op, rid, rid.size(0));
   check_weights(op, w, rid.size(0), slots_of(rid));
   QMOE_CHECK(layout >= 0 && layout <= 2, op, "layout must be 0, 1 or 2, got ", layout);
-  QMOE_CHECK(layout == 0 || block_size > 0, op, "block_size must be > 0 for block scales");
+  // the merge walks columns in steps of kMergeCols: a block must never straddle two
+  QMOE_CHECK(layout == 0 || (block_size > 0 && kMergeCols % block_size == 0), op,
+             "block_size must divide ", kMergeCols, " (a power of two up to it: 32 for "
+             "MXFP8, 128 for blockwise), got ", block_size);
   auto q = qbits.contiguous();
   auto sc = scale.contiguous();
   const int64_t h = q.size(1), nrows = q.size(0);

@@ -127,6 +127,23 @@ def test_bad_input_is_an_exception_not_a_crash():
         ops.permute(x, rid, None, 3)
     with pytest.raises(RuntimeError, match="row_id_map must be int32"):
         ops.unpermute(x, rid.long(), None)
+    # a row's route count past its S slots: refused before any entry past the row is read
+    # (the merge used to write per-route weights for that many routes)
+    over = torch.full((400, 5), -1, dtype=torch.int32)
+    over[:, 4] = 0
+    over[0, 4] = 3000
+    y = torch.randn(50, 8)
+    for call in (lambda: ops.unpermute(y, over, None),
+                 lambda: ops.unpermute(y, over, torch.rand(400, 2)),
+                 lambda: ops.permute(torch.randn(400, 8), over, None, 50)):
+        with pytest.raises(RuntimeError, match="counts 3000 routes but the map has 2 slots"):
+            call()
+    q = qmoe.quantize(torch.randn(6, 96), qmoe.MXFP8())
+    from qmoe.ops.fp8 import _bits
+
+    with pytest.raises(RuntimeError, match="block_size must divide 1024"):
+        ops.unpermute_fp8(_bits(q), q.raw_scale[:, :2], torch.zeros(6, 1, dtype=torch.int32),
+                          None, 2, 48, q.fp8_dtype, torch.float32)
     with pytest.raises(RuntimeError, match="sum to at most"):
         ops.sort_chunks(x, torch.tensor([3, 3]), torch.tensor([0, 1]), None)
     with pytest.raises(RuntimeError, match="ids must be in"):

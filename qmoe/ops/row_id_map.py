@@ -17,7 +17,8 @@ so nothing ever writes past the output. T is ``row_id_map.shape[0]``.
 
 The map is built on the input's device with a handful of linear passes (cumulative sums
 over ``[T, S]`` and, for index maps, one stable sort of the ``T*K`` expert ids; on CUDA,
-Triton kernels: three launches for a mask, or one for a small mask or a small index map);
+Triton kernels: three launches for a mask, or one for a small mask or a small index map,
+whose programs each count over the whole input: quadratic work, kept to small inputs);
 there is no host sync and no workspace kept between calls.
 
 ``make_row_id_map`` also returns ``fill``: ``int32 [R, 2]``, the row ranges ``[lo, hi)``
@@ -126,10 +127,9 @@ def map_tiling(t: int, e: int) -> MapTiling:
     return MapTiling(bt, max(1, min(8, be // 128)), min(8, bt))
 
 
-
-#: Mask entries (T * next_pow2(E)) up to which the map is built in one launch, each program
-#: counting the whole mask itself (``mask_row_id_map_small_kernel``).
-SMALL_MAP_ENTRIES = 1 << 15
+#: Mask bytes (T * next_pow2(E) * element size) up to which the map is built in one
+#: launch, each program counting the whole mask itself (``mask_row_id_map_small_kernel``).
+SMALL_MAP_BYTES = 1 << 15
 
 
 def _mask_rows_triton(
@@ -141,7 +141,7 @@ def _mask_rows_triton(
 ):
     """``(row_id_map, fill)`` from Triton launches over the mask (CUDA, or the
     interpreter): three (counts, scan, map), or one for masks of at most
-    ``SMALL_MAP_ENTRIES`` entries (``one_launch`` forces either). ``tiling`` overrides
+    ``SMALL_MAP_BYTES`` (``one_launch`` forces either). ``tiling`` overrides
     ``map_tiling`` (tests shrink it to reach many blocks with small inputs; the sweep
     tries others)."""
     from qmoe.ops._kernels.row_id_map import (
@@ -167,7 +167,7 @@ def _mask_rows_triton(
                          "num_warps a power of two")
     nblk = cdiv(t, bt)
     a = max(align_size, 1)
-    if one_launch if one_launch is not None else t * be <= SMALL_MAP_ENTRIES:
+    if one_launch if one_launch is not None else t * be * m.element_size() <= SMALL_MAP_BYTES:
         # the counting walk: 8192 entries a step over 4 warps (64 a thread)
         chunk = max(1, min(next_pow2(t), 8192 // be))
         mask_row_id_map_small_kernel[(nblk,)](
@@ -189,9 +189,17 @@ def _mask_rows_triton(
     return rid, fill
 
 
-#: Index-map entries (T * K) up to which the map is built in one launch, without a sort
-#: (``index_row_id_map_small_kernel``); larger index maps take the sorting torch path.
-SMALL_INDEX_ENTRIES = 1 << 13
+#: Index maps built in one launch without a sort (``index_row_id_map_small_kernel``): every
+#: program reads all T*K ids and compares them with its K (a [K, K] step packs the routes),
+#: so at most this many (token, slot) entries, T*T*K ids read in all, and K slots; larger
+#: index maps take the sorting torch path.
+SMALL_INDEX_ENTRIES, SMALL_INDEX_READS, SMALL_INDEX_K = 1 << 13, 1 << 21, 64
+
+
+def small_index_map(t: int, k: int) -> bool:
+    """Whether a ``[T, K]`` index map is built by the one-launch kernel (on CUDA)."""
+    return 0 < t * k <= SMALL_INDEX_ENTRIES and t * t * k <= SMALL_INDEX_READS and (
+        k <= SMALL_INDEX_K)
 
 
 def _index_rows_triton(routing_map: torch.Tensor, num_out_tokens: int):
@@ -223,7 +231,7 @@ def make_row_id_map(
     n = num_out_tokens
     if is_index:
         t, k = routing_map.shape
-        if routing_map.is_cuda and 0 < t * k <= SMALL_INDEX_ENTRIES:
+        if routing_map.is_cuda and small_index_map(t, k):
             return _index_rows_triton(routing_map, n)
         return _index_rows(routing_map, n), fill_rows((routing_map >= 0).sum(), n, 1)
     if routing_map.is_cuda:

@@ -115,9 +115,9 @@ def test_gather_rows_kernel(kdevice, r, h):
 @pytest.mark.parametrize("align", [1, 16])
 @pytest.mark.parametrize("one_launch", [False, True], ids=["three_launches", "one_launch"])
 def test_mask_map_kernel_matches_torch(kdevice, t, e, k, kind, align, one_launch):
-    from qmoe.ops.row_id_map import SMALL_MAP_ENTRIES, _mask_rows, _mask_rows_triton, fill_rows
+    from qmoe.ops.row_id_map import SMALL_MAP_BYTES, _mask_rows, _mask_rows_triton, fill_rows
 
-    if one_launch and t * next_pow2(e) > SMALL_MAP_ENTRIES:
+    if one_launch and t * next_pow2(e) > SMALL_MAP_BYTES:
         pytest.skip("the one-launch map serves small masks only (each program reads it all)")
     ids, mask = routing(t, e, k, kind, kdevice)
     counts = mask.sum(0) if align > 1 else mask.sum()
@@ -141,7 +141,7 @@ def test_index_map_kernel_matches_torch(kdevice, t, e, k, kind):
     ids, _ = routing(t, e, k, kind, kdevice)
     routed = int((ids >= 0).sum())
     for n in (routed, routed // 2, routed + 9):
-        for dt in (torch.int64, torch.int32, torch.int8)[: 3 if e <= 127 else 2]:
+        for dt in (torch.int64, torch.int32, torch.int16, torch.int8)[: 4 if e <= 127 else 3]:
             rid, fill = _index_rows_triton(ids.to(dt), n)
             assert torch.equal(rid, _index_rows(ids, n))
             assert torch.equal(fill, fill_rows((ids >= 0).sum(), n, 1))

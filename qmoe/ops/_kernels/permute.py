@@ -126,7 +126,7 @@ def _scatter_token(t, inp_ptr, out_ptr, map_ptr, w_ptr, written_ptr, p_ptr, pp_p
     mrow = map_ptr + t * (2 * S + 1)
     # The count, the row and the first KB slots load together: the first stores wait for
     # one memory round trip, not two (most tokens have <= KB routes).
-    n = tl.load(mrow + 2 * S)
+    n = tl.minimum(tl.load(mrow + 2 * S), S)  # a count past S never reads past the row
     x = tl.load(inp_ptr + t * stride_in + cols, mask=hmask)
     d0 = tl.load(mrow + tl.arange(0, KB), mask=tl.arange(0, KB) < S, other=-1)
     for s0 in range(0, n, KB):
@@ -294,7 +294,7 @@ def merge_weight_grad_kernel(
     """d weight[t, c] = <grad[t], inp[row]> in fp32, in a fixed order (deterministic)."""
     t = tl.program_id(0).to(tl.int64)
     mrow = map_ptr + t * (2 * S + 1)
-    n = tl.load(mrow + 2 * S)
+    n = tl.minimum(tl.load(mrow + 2 * S), S)
     for s in range(0, n):
         d = tl.load(mrow + s).to(tl.int64)
         c = tl.load(mrow + S + s)

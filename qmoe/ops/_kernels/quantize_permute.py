@@ -84,7 +84,7 @@ def _quantize_scatter_token(
     mrow = map_ptr + t * (2 * S + 1)
     sl0 = tl.arange(0, KB)
     d0 = tl.load(mrow + sl0, mask=sl0 < S, other=-1)  # loads with the row, not after it
-    n = tl.load(mrow + 2 * S)
+    n = tl.minimum(tl.load(mrow + 2 * S), S)
     for s0 in range(0, n, KB):  # KB routes per step, stored together
         sl = s0 + sl0
         if s0 == 0:
