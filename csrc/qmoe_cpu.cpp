@@ -480,10 +480,7 @@ Tensor unpermute_fp8(const Tensor& qbits, const Tensor& scale, const Tensor& rid
   check_map(op, rid, rid.size(0));
   check_weights(op, w, rid.size(0), slots_of(rid));
   QMOE_CHECK(layout >= 0 && layout <= 2, op, "layout must be 0, 1 or 2, got ", layout);
-  // the merge walks columns in steps of kMergeCols: a block must never straddle two
-  QMOE_CHECK(layout == 0 || (block_size > 0 && kMergeCols % block_size == 0), op,
-             "block_size must divide ", kMergeCols, " (a power of two up to it: 32 for "
-             "MXFP8, 128 for blockwise), got ", block_size);
+  QMOE_CHECK(layout == 0 || block_size > 0, op, "block_size must be > 0 for block scales");
   auto q = qbits.contiguous();
   auto sc = scale.contiguous();
   const int64_t h = q.size(1), nrows = q.size(0);
@@ -505,8 +502,10 @@ Tensor unpermute_fp8(const Tensor& qbits, const Tensor& scale, const Tensor& rid
     out = merge<scalar_t>(rid, h, nrows, w, q.options().dtype(out_dtype),
                           [&](int32_t d, float* acc, float wt, float* v, int64_t c0, int64_t c1) {
       const uint8_t* r = qp + d * h;
-      for (int64_t lo = c0; lo < c1; lo += (layout == 0 ? c1 - c0 : block_size)) {
-        const int64_t hi = layout == 0 ? c1 : std::min(c1, lo + block_size);
+      // [c0, c1) in runs of one block each (a block may start before c0: any block size,
+      // e.g. torchao's per-row scales, one block of H columns)
+      for (int64_t lo = c0, hi; lo < c1; lo = hi) {
+        hi = layout == 0 ? c1 : std::min(c1, (lo / block_size + 1) * block_size);
         const float s = layout == 0 ? s0
                         : layout == 1 ? sf[d * nb + lo / block_size]
                                       : e8m0_value(sb[d * nb + lo / block_size]);
