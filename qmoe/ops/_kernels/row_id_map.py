@@ -169,13 +169,8 @@ def _map_block(mask_ptr, map_ptr, fill_ptr, blk, total, before, T, E, N, A, stri
         slot = tl.cumsum(ki, axis=0) - ki  # position among the token's kept routes
         n = tl.sum(ki, axis=0)
         if t < T:
-            rowp = map_ptr + t.to(tl.int64) * width
-            tl.store(rowp + slot, run, mask=keep)
-            tl.store(rowp + E + slot, cols, mask=keep)
-            fill = cmask & (cols >= n)
-            tl.store(rowp + cols, minus1, mask=fill)
-            tl.store(rowp + E + cols, minus1, mask=fill)
-            tl.store(rowp + 2 * E, n)
+            _write_map_row(map_ptr + t.to(tl.int64) * width, E, cols, cmask, slot, run, cols,
+                           keep, n, minus1)
         run += mi
     if blk == 0:  # fill: after each expert's rows its padding, then the tail (clipped to N)
         ranges = E * (A > 1)  # one range per expert, padded maps only
@@ -184,6 +179,21 @@ def _map_block(mask_ptr, map_ptr, fill_ptr, blk, total, before, T, E, N, A, stri
         tail = 2 * ranges  # then the tail, past the (padded) total
         tl.store(fill_ptr + tail, tl.minimum(tl.sum(padded, axis=0), N))
         tl.store(fill_ptr + tail + 1, N)
+
+
+@triton.jit
+def _write_map_row(rowp, S, lanes, lmask, slot, rows, cols, keep, n, minus1):
+    """One token's map row at ``rowp`` (``2*S + 1`` int32, format in ``row_id_map.py``):
+    each kept lane's output row and probs column at its ``slot`` (the lanes' positions
+    among the kept routes), ``-1`` in the entries past the ``n`` kept routes, then ``n``.
+    ``lanes`` are ``0..S-1`` (``lmask``: inside S); ``minus1`` is a ``-1`` vector of their
+    shape."""
+    tl.store(rowp + slot, rows, mask=keep)
+    tl.store(rowp + S + slot, cols, mask=keep)
+    rest = lmask & (lanes >= n)
+    tl.store(rowp + lanes, minus1, mask=rest)
+    tl.store(rowp + S + lanes, minus1, mask=rest)
+    tl.store(rowp + 2 * S, n)
 
 
 @triton.jit
@@ -229,14 +239,8 @@ def index_row_id_map_small_kernel(
     earlier = keep[None, :] & (rank[None, :] < rank[:, None])
     slot = tl.sum(earlier.to(tl.int32), axis=1)
     n = tl.sum(keep.to(tl.int32), axis=0)
-    rowp = map_ptr + t.to(tl.int64) * (2 * K + 1)
-    tl.store(rowp + slot, rank, mask=keep)
-    tl.store(rowp + K + slot, ks, mask=keep)
-    minus1 = tl.full((BLOCK_K,), -1, dtype=tl.int32)
-    rest = kmask & (ks >= n)
-    tl.store(rowp + ks, minus1, mask=rest)
-    tl.store(rowp + K + ks, minus1, mask=rest)
-    tl.store(rowp + 2 * K, n)
+    _write_map_row(map_ptr + t.to(tl.int64) * (2 * K + 1), K, ks, kmask, slot, rank, ks, keep,
+                   n, tl.full((BLOCK_K,), -1, dtype=tl.int32))
     if t == 0:
         tl.store(fill_ptr, tl.minimum(tl.sum(total, axis=0), N))
         tl.store(fill_ptr + 1, N)
