@@ -385,8 +385,8 @@ inline void prefetch_bytes(const char* p, int64_t bytes) {
 
 // Columns of a row the merge sums at a time, over all of a token's routes: the routes' rows
 // are read as that many concurrent streams (more reads in flight than one row after
-// another), and the fp32 sums stay in L1. A multiple of 128, so block scales of 1x32 and
-// 1x128 blocks never straddle two steps.
+// another), and the fp32 sums stay in L1. Block scales may straddle two steps: the FP8
+// merge walks each step in runs of one block.
 constexpr int64_t kMergeCols = 1024;
 
 // acc[t] += float(row) * weight, rows in map order (weight 1 without merging probs: exact).
