@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from qmoe._library import define
+from qmoe.ops import permute_mask as _permute_mask  # noqa: F401  (defines qmoe::permute_mask)
 from qmoe.ops.backend import (
     FP8_BLOCK_E8M0,
     FP8_BLOCK_FP32,
@@ -88,6 +89,21 @@ def _permute_q(func, args, kwargs):
         return q._rewrap(bits.view(q.fp8_dtype), scale), pp
     return _move_rows(
         q, lambda t, with_probs: func(t, rid, probs if with_probs else None, n, fill))
+
+
+@register_passthrough(ops.permute_mask.default)
+def _permute_mask_q(func, args, kwargs):
+    """The fused mask permute of quantized rows: the fp8 bits move as rows, block-scale rows
+    as its side rows (one pass); a per-tensor scale carries over."""
+    q, mask, probs, side, n, align = args
+    if side is not None:
+        raise TypeError("qmoe::permute_mask: side rows come from the quantized inp's scales; "
+                        "pass side=None with a quantized inp")
+    blocks = q.block_size is not None
+    bits, pp, s_out, rid = func(_bits(q), mask, probs, q.raw_scale if blocks else None, n,
+                                align)
+    empty = torch.empty(0, dtype=q.dtype, device=q.device)  # no side rows out (as for plain)
+    return q._rewrap(bits.view(q.fp8_dtype), s_out if blocks else q.raw_scale), pp, empty, rid
 
 
 @register_passthrough(ops.sort_chunks.default)

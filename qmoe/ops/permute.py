@@ -48,7 +48,7 @@ def _(inp, row_id_map, probs, num_out_tokens, fill=None):
 def _setup(ctx, inputs, output):
     inp, row_id_map, probs = inputs[:3]
     ctx.save_for_backward(row_id_map)
-    ctx.probs_shape = None if probs is None else (tuple(probs.shape), probs.dtype)
+    ctx.probs_meta = None if probs is None else (tuple(probs.shape), probs.dtype)
 
 
 def probs_grad(rid: torch.Tensor, grad_probs: torch.Tensor, t: int, p: int, dtype):
@@ -62,13 +62,20 @@ def probs_grad(rid: torch.Tensor, grad_probs: torch.Tensor, t: int, p: int, dtyp
     return gp[:, :p]
 
 
-def _backward(ctx, grad_out, grad_probs):
-    (rid,) = ctx.saved_tensors
+def permute_grads(rid, grad_out, grad_probs, probs_meta):
+    """``(grad of inp [T, H], grad of probs [T, P] or None)`` of a permute by ``rid``;
+    ``probs_meta``: ``(probs shape, dtype)``, or None without probs."""
     grad_inp = torch.ops.qmoe.unpermute(grad_out.contiguous(), rid, None)
     gp = None
-    if ctx.probs_shape is not None and grad_probs is not None:
-        (t, p), dtype = ctx.probs_shape
+    if probs_meta is not None and grad_probs is not None:
+        (t, p), dtype = probs_meta
         gp = probs_grad(rid, grad_probs, t, p, dtype)
+    return grad_inp, gp
+
+
+def _backward(ctx, grad_out, grad_probs):
+    (rid,) = ctx.saved_tensors
+    grad_inp, gp = permute_grads(rid, grad_out, grad_probs, ctx.probs_meta)
     return grad_inp, None, gp, None, None
 
 
@@ -105,7 +112,8 @@ def _check_index_ids(fn, routing_map, num_experts) -> None:
         C.check_values(fn, routing_map.max() < num_experts, msg)
 
 
-def _prepare(fn, inp, routing_map, map_type, num_out_tokens, num_experts, align_size=1):
+def _out_rows(fn, inp, routing_map, map_type, num_out_tokens, num_experts, align_size=1):
+    """Checks; N (counted with a host sync when ``num_out_tokens`` is None)."""
     C.check_input(fn, inp)
     C.check_routing_map(fn, inp, routing_map, map_type)
     if num_experts is not None and (not isinstance(num_experts, int) or num_experts < 1):
@@ -120,8 +128,32 @@ def _prepare(fn, inp, routing_map, map_type, num_out_tokens, num_experts, align_
         n, _ = _routed_count(fn, routing_map, map_type, num_experts, align_size)
     elif map_type == "index":
         _check_index_ids(fn, routing_map, num_experts)
-    rid, fill = torch.ops.qmoe.make_row_id_map(routing_map, n, map_type == "index", align_size)
-    return rid, fill, n
+    return n
+
+
+def _map_in_scatter(inp, map_type: str) -> bool:
+    """Whether the mask map is built inside the scatter launch (``qmoe::permute_mask``,
+    CUDA) rather than by ``make_row_id_map`` before it."""
+    return map_type == "mask" and inp.is_cuda
+
+
+def _permute(fn, inp, probs, routing_map, map_type, num_out_tokens, num_experts, quantize,
+             quantize_scale, align_size=1):
+    """``(output [N, H], permuted_probs [N] or empty, row_id_map)`` of the public functions."""
+    n = _out_rows(fn, inp, routing_map, map_type, num_out_tokens, num_experts, align_size)
+    C.check_probs(fn, "probs", probs, inp.shape[0], routing_map.shape[1], inp,
+                  "E" if map_type == "mask" else "K")
+    if quantize is None and _map_in_scatter(inp, map_type):
+        out, pp, _, rid = torch.ops.qmoe.permute_mask(inp, routing_map, probs, None, n,
+                                                      align_size)
+        return out, pp, rid
+    rid, fill = torch.ops.qmoe.make_row_id_map(routing_map, n, map_type == "index",
+                                               align_size)
+    if quantize is not None:
+        out, pp = quantize_and_permute(fn, inp, probs, rid, fill, n, quantize, quantize_scale)
+    else:
+        out, pp = torch.ops.qmoe.permute(inp, rid, probs, n, fill)
+    return out, pp, rid
 
 
 def moe_permute(
@@ -168,13 +200,8 @@ def moe_permute(
         same routing give the same output. Differentiable in ``inp``.
     """
     del max_token_num
-    rid, fill, n = _prepare("moe_permute", inp, routing_map, map_type, num_out_tokens,
-                            num_experts)
-    if quantize is not None:
-        out, _ = quantize_and_permute("moe_permute", inp, None, rid, fill, n, quantize,
-                                      quantize_scale)
-        return out, rid
-    out, _ = torch.ops.qmoe.permute(inp, rid, None, n, fill)
+    out, _, rid = _permute("moe_permute", inp, None, routing_map, map_type, num_out_tokens,
+                           num_experts, quantize, quantize_scale)
     return out, rid
 
 
@@ -199,14 +226,8 @@ def moe_permute_with_probs(
     fn = "moe_permute_with_probs"
     if probs is None:
         raise TypeError(f"{fn}: probs is required; use moe_permute without probs")
-    rid, fill, n = _prepare(fn, inp, routing_map, map_type, num_out_tokens, num_experts)
-    C.check_probs(fn, "probs", probs, inp.shape[0], routing_map.shape[1], inp,
-                  "E" if map_type == "mask" else "K")
-    if quantize is not None:
-        out, pp = quantize_and_permute(fn, inp, probs, rid, fill, n, quantize, quantize_scale)
-        return out, pp, rid
-    out, pp = torch.ops.qmoe.permute(inp, rid, probs, n, fill)
-    return out, pp, rid
+    return _permute(fn, inp, probs, routing_map, map_type, num_out_tokens, num_experts,
+                    quantize, quantize_scale)
 
 
 def moe_permute_and_pad_with_probs(
@@ -241,8 +262,8 @@ def moe_permute_and_pad_with_probs(
     fn = "moe_permute_and_pad_with_probs"
     if isinstance(align_size, bool) or not isinstance(align_size, int) or align_size < 1:
         raise ValueError(f"{fn}: align_size must be a positive int, got {align_size!r}")
-    rid, fill, n = _prepare(fn, inp, routing_map, "mask", num_out_tokens, None, align_size)
-    C.check_probs(fn, "probs", probs, inp.shape[0], routing_map.shape[1], inp, "E")
+    out, pp, rid = _permute(fn, inp, probs, routing_map, "mask", num_out_tokens, None,
+                            quantize, quantize_scale, align_size)
     counts = (routing_map != 0).sum(0)
     target = (counts + align_size - 1) // align_size * align_size
     pads = target - counts
@@ -265,8 +286,4 @@ def moe_permute_and_pad_with_probs(
             )
         if not bool(pads.any()):
             pad_offsets = None
-    if quantize is not None:
-        out, pp = quantize_and_permute(fn, inp, probs, rid, fill, n, quantize, quantize_scale)
-    else:
-        out, pp = torch.ops.qmoe.permute(inp, rid, probs, n, fill)
     return out, pp, rid, pad_offsets, target

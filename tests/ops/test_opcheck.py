@@ -31,6 +31,10 @@ def _cases():
         yield f"permute_fill-{t}", ops.permute.default, (x, rid_m, probs, n, fill_m)
         yield f"permute_index_fill-{t}", ops.permute.default, (x, rid_i, pk, n, fill_i)
         yield f"permute_pad_fill-{t}", ops.permute.default, (x, rid_p, probs, n + 8, fill_p)
+        side = torch.randn(t, 3, device=DEV)
+        yield f"permute_mask-{t}", ops.permute_mask.default, (x, mask, None, None, n, 1)
+        yield (f"permute_mask_probs_side-{t}", ops.permute_mask.default,
+               (x, mask.to(torch.int32), probs, side, n + 8, 4))
         yield f"unpermute-{t}", ops.unpermute.default, (y, rid_m, None)
         yield f"unpermute_probs-{t}", ops.unpermute.default, (y, rid_m, probs)
         g = torch.randn(t, h, device=DEV)

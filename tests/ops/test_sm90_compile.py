@@ -64,6 +64,7 @@ def _launches():
     import qmoe
     from qmoe.ops import backend as B
     from qmoe.ops.fp8 import _bits, _layout
+    from qmoe.ops.permute_mask import permute_mask_triton
     from qmoe.ops.quantize_permute import quantize_permute_triton
     from qmoe.ops.row_id_map import (
         MapTiling,
@@ -100,6 +101,11 @@ def _launches():
         B.permute_rows(x, rid, n, probs=probs, probs_out=torch.empty(n), side=side,
                        side_out=torch.empty(n, 2), use_triton=True, fill=f)
         B.permute_rows(x.view(torch.uint8), rid, n, use_triton=True, fill=f)
+    for align in (1, 16):  # the mask permute that builds its map in the scatter launch
+        for one in (False, True):
+            permute_mask_triton(x, mask, n, align, one_launch=one)
+            permute_mask_triton(x.view(torch.uint8), mask, n, align, probs, side,
+                                one_launch=one)
     y = torch.randn(n, h, dtype=torch.bfloat16)
     for w in (None, probs):
         B.unpermute_rows(y, rid, w, use_triton=True)

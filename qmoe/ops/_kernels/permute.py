@@ -43,11 +43,26 @@ def zero_fill_rows(
         lo = tl.load(fill_ptr + 2 * g).to(tl.int32)
         hi = tl.load(fill_ptr + 2 * g + 1).to(tl.int32)
     else:
-        t_lo = tl.maximum(tl.load(fill_ptr + 2 * (R - 1)).to(tl.int32), 0)
-        t_hi = tl.load(fill_ptr + 2 * (R - 1) + 1).to(tl.int32)
-        per = (t_hi - t_lo + Z - 1) // Z
-        lo = t_lo + (g - (R - 1)) * per
-        hi = tl.minimum(t_hi, lo + per)
+        lo, hi = _tail_share(tl.load(fill_ptr + 2 * (R - 1)).to(tl.int32),
+                             tl.load(fill_ptr + 2 * (R - 1) + 1).to(tl.int32), g - (R - 1), Z)
+    zero_rows(lo, hi, N, out_ptr, H, cols, cmask, side_ptr, NS, scols, smask, pp_ptr, first,
+              HAS_SIDE, HAS_P)
+
+
+@triton.jit
+def _tail_share(t_lo, t_hi, j, Z):
+    """Rows ``[lo, hi)`` of the tail range ``[t_lo, t_hi)`` that share ``j`` of ``Z`` zeroes."""
+    t_lo = tl.maximum(t_lo, 0)
+    per = (t_hi - t_lo + Z - 1) // Z
+    lo = t_lo + j * per
+    return lo, tl.minimum(t_hi, lo + per)
+
+
+@triton.jit
+def zero_rows(lo, hi, N, out_ptr, H, cols, cmask, side_ptr, NS, scols, smask, pp_ptr, first,
+              HAS_SIDE: tl.constexpr, HAS_P: tl.constexpr):
+    """Zero rows ``[lo, hi)`` (kept inside ``[0, N)``) of ``out`` over ``cols``, and
+    alike of ``side`` and ``pp`` (arguments as in ``zero_fill_rows``)."""
     lo = tl.maximum(lo, 0)
     hi = tl.minimum(hi, N)
     zero = tl.zeros(cols.shape, dtype=out_ptr.dtype.element_ty)
@@ -109,25 +124,26 @@ def permute_scatter_kernel(
             zero_fill_rows(pid - T, fill_ptr, R, Z, N, out_ptr, H, cols, hmask, side_out_ptr,
                            NS, sc, sc < ns_here, pp_ptr, first, HAS_SIDE, HAS_P)
     else:
-        _scatter_token(pid.to(tl.int64), inp_ptr, out_ptr, map_ptr, w_ptr, written_ptr, p_ptr,
-                       pp_ptr, side_ptr, side_out_ptr, N, S, NS, H, cols, hmask, stride_in,
-                       stride_w, stride_p, stride_side, HAS_W, HAS_P, HAS_SIDE, not HAS_FILL,
-                       KB, BLOCK_H, BLOCK_S)
+        t = pid.to(tl.int64)
+        x = tl.load(inp_ptr + t * stride_in + cols, mask=hmask)
+        _scatter_token(t, x, out_ptr, map_ptr, w_ptr, written_ptr, p_ptr, pp_ptr, side_ptr,
+                       side_out_ptr, N, S, NS, H, cols, hmask, stride_w, stride_p,
+                       stride_side, HAS_W, HAS_P, HAS_SIDE, not HAS_FILL, KB, BLOCK_H, BLOCK_S)
 
 
 @triton.jit
-def _scatter_token(t, inp_ptr, out_ptr, map_ptr, w_ptr, written_ptr, p_ptr, pp_ptr, side_ptr,
-                   side_out_ptr, N, S, NS, H, cols, hmask, stride_in, stride_w, stride_p,
-                   stride_side, HAS_W: tl.constexpr, HAS_P: tl.constexpr,
-                   HAS_SIDE: tl.constexpr, FLAGS: tl.constexpr, KB: tl.constexpr,
-                   BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Token t's share of ``permute_scatter_kernel`` (arguments as there; FLAGS: mark
-    the rows written in ``written``)."""
+def _scatter_token(t, x, out_ptr, map_ptr, w_ptr, written_ptr, p_ptr, pp_ptr, side_ptr,
+                   side_out_ptr, N, S, NS, H, cols, hmask, stride_w, stride_p, stride_side,
+                   HAS_W: tl.constexpr, HAS_P: tl.constexpr, HAS_SIDE: tl.constexpr,
+                   FLAGS: tl.constexpr, KB: tl.constexpr, BLOCK_H: tl.constexpr,
+                   BLOCK_S: tl.constexpr):
+    """Token t's share of ``permute_scatter_kernel``: ``x`` is its row over ``cols``
+    (loaded by the caller; other arguments as there; FLAGS: mark the rows written in
+    ``written``)."""
     mrow = map_ptr + t * (2 * S + 1)
-    # The count, the row and the first KB slots load together: the first stores wait for
-    # one memory round trip, not two (most tokens have <= KB routes).
+    # The row (loaded by the caller), the count and the first KB slots load together: the
+    # first stores wait for one memory round trip, not two (most tokens have <= KB routes).
     n = tl.minimum(tl.load(mrow + 2 * S), S)  # a count past S never reads past the row
-    x = tl.load(inp_ptr + t * stride_in + cols, mask=hmask)
     d0 = tl.load(mrow + tl.arange(0, KB), mask=tl.arange(0, KB) < S, other=-1)
     for s0 in range(0, n, KB):
         sl = s0 + tl.arange(0, KB)

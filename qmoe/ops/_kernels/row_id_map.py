@@ -31,7 +31,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _mask_row(mask_ptr, t, T, E, stride_t, cols):
+def mask_row(mask_ptr, t, T, E, stride_t, cols):
     """Token t's mask row as int32 0/1 over ``cols`` (zeros past E or when t >= T)."""
     width = tl.where(t < T, E, 0)  # one compare per entry: past T the row is empty
     m = tl.load(mask_ptr + t.to(tl.int64) * stride_t + cols, mask=cols < width, other=0)
@@ -52,7 +52,7 @@ def mask_block_counts_kernel(
     cols = tl.arange(0, BLOCK_E)
     acc = tl.zeros((BLOCK_E,), dtype=tl.int32)
     for i in tl.static_range(BLOCK_T):  # unrolled: the row loads issue together
-        acc += _mask_row(mask_ptr, blk * BLOCK_T + i, T, E, stride_t, cols)
+        acc += mask_row(mask_ptr, blk * BLOCK_T + i, T, E, stride_t, cols)
     tl.store(counts_ptr + blk.to(tl.int64) * E + cols, acc, mask=cols < E)
 
 
@@ -124,20 +124,37 @@ def mask_row_id_map_small_kernel(
     launcher uses it only while that is a few tens of KB (launch overhead dominates)."""
     blk = tl.program_id(0)
     cols = tl.arange(0, BLOCK_E)
+    total, before = count_mask(mask_ptr, T, E, stride_t, blk * BLOCK_T, cols, CHUNK_T)
+    _map_block(mask_ptr, map_ptr, fill_ptr, blk, total, before, T, E, N, A, stride_t, cols,
+               BLOCK_T, BLOCK_E, PREFETCH)
+
+
+@triton.jit
+def count_mask(mask_ptr, T, E, stride_t, below, cols, CHUNK_T: tl.constexpr):
+    """``(total, before)``, ``[BLOCK_E]`` int32 over ``cols`` (zero past E): each
+    expert's tokens in the whole ``[T, E]`` mask, and among the tokens ``< below``. Walks
+    all T rows, ``CHUNK_T`` a step."""
     cmask = cols < E
     rows = tl.arange(0, CHUNK_T)
-    t0 = blk * BLOCK_T
-    total = tl.zeros((BLOCK_E,), dtype=tl.int32)
-    before = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    total = tl.zeros(cols.shape, dtype=tl.int32)
+    before = tl.zeros(cols.shape, dtype=tl.int32)
     for c0 in range(0, T, CHUNK_T):
         t = c0 + rows
         m = tl.load(mask_ptr + t.to(tl.int64)[:, None] * stride_t + cols[None, :],
                     mask=(t < T)[:, None] & cmask[None, :], other=0)
         mi = (m != 0).to(tl.int32)
         total += tl.sum(mi, axis=0)
-        before += tl.sum(tl.where((t < t0)[:, None], mi, 0), axis=0)
-    _map_block(mask_ptr, map_ptr, fill_ptr, blk, total, before, T, E, N, A, stride_t, cols,
-               BLOCK_T, BLOCK_E, PREFETCH)
+        before += tl.sum(tl.where((t < below)[:, None], mi, 0), axis=0)
+    return total, before
+
+
+@triton.jit
+def expert_starts(total, A):
+    """``(start, padded)``: each expert's first output row (the padded rows of lower
+    experts) and its row count padded to a multiple of A, from ``total`` (tokens per
+    expert, zero past E)."""
+    padded = (total + (A - 1)) // A * A
+    return tl.cumsum(padded, axis=0) - padded, padded
 
 
 @triton.jit
@@ -147,8 +164,7 @@ def _map_block(mask_ptr, map_ptr, fill_ptr, blk, total, before, T, E, N, A, stri
     of earlier blocks per expert), both ``[BLOCK_E]`` int32 (zero past E); block 0 also
     writes ``fill`` (arguments as in ``mask_row_id_map_kernel``)."""
     cmask = cols < E
-    padded = (total + (A - 1)) // A * A
-    start = tl.cumsum(padded, axis=0) - padded
+    start, padded = expert_starts(total, A)
     # the next row of each expert: its start plus the tokens of earlier blocks and rows
     run = start + before
     width = 2 * E + 1
@@ -158,18 +174,18 @@ def _map_block(mask_ptr, map_ptr, fill_ptr, blk, total, before, T, E, N, A, stri
     # hoisting loads, so each row would otherwise wait a full memory round trip).
     ahead = ()
     for i in tl.static_range(PREFETCH):
-        ahead = ahead + (_mask_row(mask_ptr, t0 + i, T, E, stride_t, cols),)
+        ahead = ahead + (mask_row(mask_ptr, t0 + i, T, E, stride_t, cols),)
     for i in tl.static_range(BLOCK_T):
         t = t0 + i
         mi = ahead[i]
         if i + PREFETCH < BLOCK_T:
-            ahead = ahead + (_mask_row(mask_ptr, t0 + i + PREFETCH, T, E, stride_t, cols),)
+            ahead = ahead + (mask_row(mask_ptr, t0 + i + PREFETCH, T, E, stride_t, cols),)
         keep = (mi != 0) & (run < N)
         ki = keep.to(tl.int32)
         slot = tl.cumsum(ki, axis=0) - ki  # position among the token's kept routes
         n = tl.sum(ki, axis=0)
         if t < T:
-            _write_map_row(map_ptr + t.to(tl.int64) * width, E, cols, cmask, slot, run, cols,
+            write_map_row(map_ptr + t.to(tl.int64) * width, E, cols, cmask, slot, run, cols,
                            keep, n, minus1)
         run += mi
     if blk == 0:  # fill: after each expert's rows its padding, then the tail (clipped to N)
@@ -182,7 +198,7 @@ def _map_block(mask_ptr, map_ptr, fill_ptr, blk, total, before, T, E, N, A, stri
 
 
 @triton.jit
-def _write_map_row(rowp, S, lanes, lmask, slot, rows, cols, keep, n, minus1):
+def write_map_row(rowp, S, lanes, lmask, slot, rows, cols, keep, n, minus1):
     """One token's map row at ``rowp`` (``2*S + 1`` int32, format in ``row_id_map.py``):
     each kept lane's output row and probs column at its ``slot`` (the lanes' positions
     among the kept routes), ``-1`` in the entries past the ``n`` kept routes, then ``n``.
@@ -239,7 +255,7 @@ def index_row_id_map_small_kernel(
     earlier = keep[None, :] & (rank[None, :] < rank[:, None])
     slot = tl.sum(earlier.to(tl.int32), axis=1)
     n = tl.sum(keep.to(tl.int32), axis=0)
-    _write_map_row(map_ptr + t.to(tl.int64) * (2 * K + 1), K, ks, kmask, slot, rank, ks, keep,
+    write_map_row(map_ptr + t.to(tl.int64) * (2 * K + 1), K, ks, kmask, slot, rank, ks, keep,
                    n, tl.full((BLOCK_K,), -1, dtype=tl.int32))
     if t == 0:
         tl.store(fill_ptr, tl.minimum(tl.sum(total, axis=0), N))

@@ -1,0 +1,103 @@
+"""Triton code of the mask permute that builds its map rows in the scatter launch
+(launcher: ``qmoe/ops/permute_mask.py``).
+
+Glossary: T tokens, E experts, H hidden, N output rows, NS side-row columns (block scales),
+BLOCK_T tokens per block of the count pass (one row of per-expert counts), BLOCK_E =
+next_pow2(E), A the padding alignment, Z programs sharing the tail of unwritten rows.
+
+The map's row of token t needs only each expert's total, the tokens of earlier blocks
+(``mask_block_counts_kernel`` + ``block_scan_kernel``, or counted by the program itself
+when SMALL) and the rows of t's own block before it, so every token program builds its
+own map row, then moves its data row as ``permute_scatter_kernel`` does. The map row's
+scans overlap the other programs' copies, and the data row is loaded first, so its read
+is in flight during them. Programs ``t >= T`` zero the rows no route writes.
+"""
+
+import triton
+import triton.language as tl
+
+from qmoe.ops._kernels.permute import _scatter_token, _tail_share, zero_rows
+from qmoe.ops._kernels.row_id_map import count_mask, expert_starts, mask_row, write_map_row
+
+
+@triton.jit
+def permute_mask_kernel(
+    inp_ptr,  # (T, H) any dtype, row stride stride_in
+    out_ptr,  # (N, H) same dtype, contiguous
+    mask_ptr,  # (T, E) uint8 / int32 / int64, nonzero = routed, row stride stride_m
+    before_ptr,  # (cdiv(T, BLOCK_T), E) int32: tokens of earlier blocks (unless SMALL)
+    total_ptr,  # (E,) int32: tokens per expert (unless SMALL)
+    map_ptr,  # (T, 2E+1) int32 out: the row_id_map
+    p_ptr,  # (T, E) float probs, row stride stride_p (read only if HAS_P)
+    pp_ptr,  # (N,) probs dtype out: the permuted probs (written only if HAS_P)
+    side_ptr,  # (T, NS) side rows moved with the data, row stride stride_side (if HAS_SIDE)
+    side_out_ptr,  # (N, NS) side rows out, contiguous (written only if HAS_SIDE)
+    T,
+    N,
+    H,
+    E,
+    NS,
+    A,
+    Z,
+    stride_in,
+    stride_m,
+    stride_p,
+    stride_side,
+    HAS_P: tl.constexpr,
+    HAS_SIDE: tl.constexpr,
+    SMALL: tl.constexpr,  # count the whole mask in every program (no count/scan launches)
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    CHUNK_T: tl.constexpr,  # mask rows per step of SMALL's counting walk
+    KB: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """Grid ``(T + R - 1 + Z, cdiv(H, BLOCK_H))`` with R = E + 1 ranges of unwritten rows
+    when A > 1 (each expert's padding, then the tail), else R = 1 (the tail). Every
+    column-block program of a token writes the same map row (a benign duplicate) and reads
+    it back after a barrier."""
+    pid = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = cols < H
+    ce = tl.arange(0, BLOCK_E)
+    emask = ce < E
+    if pid < T:
+        t = pid.to(tl.int64)
+        x = tl.load(inp_ptr + t * stride_in + cols, mask=hmask)  # in flight meanwhile
+        if SMALL:
+            total, before = count_mask(mask_ptr, T, E, stride_m, pid, ce, CHUNK_T)
+        else:
+            blk = pid // BLOCK_T
+            total = tl.load(total_ptr + ce, mask=emask, other=0)
+            before = tl.load(before_ptr + blk.to(tl.int64) * E + ce, mask=emask, other=0)
+            for i in tl.static_range(BLOCK_T - 1):  # the block's rows before t (rows < pid)
+                before += mask_row(mask_ptr, blk * BLOCK_T + i, pid, E, stride_m, ce)
+        start, padded = expert_starts(total, A)
+        run = start + before  # each expert's row for this token
+        keep = (mask_row(mask_ptr, pid, T, E, stride_m, ce) != 0) & (run < N)
+        ki = keep.to(tl.int32)
+        slot = tl.cumsum(ki, axis=0) - ki  # position among the token's kept routes
+        write_map_row(map_ptr + t * (2 * E + 1), E, ce, emask, slot, run, ce, keep,
+                      tl.sum(ki, axis=0), tl.full((BLOCK_E,), -1, dtype=tl.int32))
+        tl.debug_barrier()  # the map row's stores are visible to all of the program
+        _scatter_token(t, x, out_ptr, map_ptr, None, None, p_ptr, pp_ptr, side_ptr,
+                       side_out_ptr, N, E, NS, H, cols, hmask, 0, stride_p, stride_side,
+                       False, HAS_P, HAS_SIDE, False, KB, BLOCK_H, BLOCK_S)
+    else:
+        if SMALL:
+            total, _ = count_mask(mask_ptr, T, E, stride_m, 0, ce, CHUNK_T)
+        else:
+            total = tl.load(total_ptr + ce, mask=emask, other=0)
+        start, padded = expert_starts(total, A)
+        g = pid - T
+        ranges = tl.where(A > 1, E, 0)  # padded maps: one range per expert before the tail
+        if g < ranges:
+            lo = tl.sum(tl.where(ce == g, start + total, 0), axis=0)
+            hi = tl.sum(tl.where(ce == g, start + padded, 0), axis=0)
+        else:
+            lo, hi = _tail_share(tl.minimum(tl.sum(padded, axis=0), N), N, g - ranges, Z)
+        sc = tl.arange(0, BLOCK_S)
+        first = tl.program_id(1) == 0
+        zero_rows(lo, hi, N, out_ptr, H, cols, hmask, side_out_ptr, NS, sc,
+                  sc < tl.where(first, NS, 0), pp_ptr, first, HAS_SIDE, HAS_P)

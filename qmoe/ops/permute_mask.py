@@ -1,0 +1,136 @@
+"""``qmoe::permute_mask``: the mask permute with its row_id_map built in the same pass.
+
+Glossary: T tokens, E experts, H hidden, N output rows, NS side-row columns.
+
+On CUDA ``moe_permute`` (and the ``_with_probs`` and pad variants) of a mask take this op:
+its kernel (``_kernels/permute_mask.py``) has every token program build its own map row
+and then move its data row, so the map costs no pass of its own. Launches: the per-block
+counts and their scan, then the fused kernel; one launch for masks of at most
+``SMALL_MAP_BYTES`` (every program counts the whole mask itself). The map and output
+equal ``make_row_id_map`` then ``permute``'s, which is what the op runs off CUDA.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qmoe._intmath import cdiv, next_pow2
+from qmoe._library import define
+from qmoe.ops.backend import scatter_tile
+from qmoe.ops.row_id_map import SMALL_MAP_BYTES, MapTiling, map_tiling
+
+ops = torch.ops.qmoe
+
+
+def permute_mask_triton(
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    n: int,
+    align_size: int,
+    probs: torch.Tensor | None = None,
+    side: torch.Tensor | None = None,
+    *,
+    one_launch: bool | None = None,
+    tiling: MapTiling | None = None,
+    out: torch.Tensor | None = None,
+):
+    """``(out [N, H], permuted_probs [N] or empty, side_out [N, NS] or empty, row_id_map
+    [T, 2E+1] int32)`` of ``x [T, H]`` by ``mask [T, E]`` (CUDA, or CPU under the
+    interpreter), as ``make_row_id_map`` then ``permute_rows``. ``one_launch`` forces the
+    SMALL form on or off; ``tiling`` overrides ``map_tiling`` (its block sets the count
+    pass); ``out`` (tests: poisoned) receives the rows. No host sync."""
+    from qmoe.ops._kernels.permute_mask import permute_mask_kernel
+    from qmoe.ops._kernels.row_id_map import block_scan_kernel, mask_block_counts_kernel
+
+    t, h = x.shape
+    e = mask.shape[1]
+    rid = mask.new_empty((t, 2 * e + 1), dtype=torch.int32)
+    if out is None:
+        out = x.new_empty((n, h))
+    pp = probs.new_empty((n,)) if probs is not None else x.new_empty(0)
+    ns = side.shape[1] if side is not None else 0
+    so = side.new_empty((n, ns)) if side is not None else x.new_empty(0)
+    if t == 0 or e == 0:  # no routes: every row is zero, every map row empty
+        for buf in (out, pp, so):
+            buf.zero_()
+        rid.fill_(-1)[:, -1] = 0
+        return out, pp, so, rid
+    m = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
+    if m.stride(1) != 1:
+        m = m.contiguous()
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if side is not None and side.stride(1) != 1:
+        side = side.contiguous()
+    be = next_pow2(e)
+    bt, map_warps, _ = tiling or map_tiling(t, e)
+    bh, nw, kb = scatter_tile(h, x.element_size(), False)
+    small = one_launch if one_launch is not None else t * be * m.element_size() <= SMALL_MAP_BYTES
+    before = total = None
+    if not small:
+        nblk = cdiv(t, bt)
+        before = rid.new_empty((nblk, e))
+        total = rid.new_empty((e,))
+        mask_block_counts_kernel[(nblk,)](m, before, t, e, m.stride(0), BLOCK_T=bt,
+                                          BLOCK_E=be, num_warps=map_warps)
+        cols = min(be, max(1, next_pow2(cdiv(e, 128))))  # ~128 programs
+        chunk = max(1, min(next_pow2(nblk), 4096 // cols))
+        block_scan_kernel[(cdiv(e, cols),)](before, total, nblk, e, CHUNK_B=chunk, COLS=cols)
+    ranges = e if align_size > 1 else 0
+    z = max(1, min(256, cdiv(n, 64)))
+    has_p, has_s = probs is not None, side is not None
+    permute_mask_kernel[(t + ranges + z, cdiv(max(h, 1), bh))](
+        x, out, m, before, total, rid, probs, pp if has_p else None, side,
+        so if has_s else None, t, n, h, e, ns, max(align_size, 1), z, x.stride(0),
+        m.stride(0), probs.stride(0) if has_p else None, side.stride(0) if has_s else None,
+        HAS_P=has_p, HAS_SIDE=has_s, SMALL=small, BLOCK_T=bt, BLOCK_E=be,
+        # SMALL's counting walk: about 2048 mask entries a warp and step
+        CHUNK_T=max(1, min(next_pow2(t), 2048 * nw // be)), KB=kb, BLOCK_H=bh,
+        BLOCK_S=next_pow2(max(ns, 1)), num_warps=nw,
+    )
+    return out, pp, so, rid
+
+
+@define(
+    "permute_mask(Tensor inp, Tensor routing_map, Tensor? probs, Tensor? side, "
+    "SymInt num_out_tokens, int align_size) -> (Tensor, Tensor, Tensor, Tensor)"
+)
+def _permute_mask(inp, routing_map, probs, side, num_out_tokens, align_size):
+    """``(out [N, H], permuted_probs [N] or empty, side_out [N, NS] or empty, row_id_map
+    [T, 2E+1] int32)``: ``inp [T, H]`` grouped by the ``[T, E]`` mask, each expert's group
+    padded to ``align_size``, with ``probs [T, E]`` and side rows ``[T, NS]`` (block scales
+    of quantized rows) moved alike. No host sync."""
+    if inp.is_cuda:
+        return permute_mask_triton(inp, routing_map, num_out_tokens, align_size, probs, side)
+    n = num_out_tokens
+    rid, fill = ops.make_row_id_map(routing_map, n, False, align_size)
+    out, pp = ops.permute(inp, rid, probs, n, fill)
+    so = ops.permute(side, rid, None, n, fill)[0] if side is not None else inp.new_empty(0)
+    return out, pp, so, rid
+
+
+@_permute_mask.register_fake
+def _(inp, routing_map, probs, side, num_out_tokens, align_size):
+    n = num_out_tokens
+    t, e = routing_map.shape
+    return (inp.new_empty((n, inp.shape[1])),
+            probs.new_empty((n,)) if probs is not None else inp.new_empty(0),
+            side.new_empty((n, side.shape[1])) if side is not None else inp.new_empty(0),
+            routing_map.new_empty((t, 2 * e + 1), dtype=torch.int32))
+
+
+def _setup(ctx, inputs, output):
+    probs = inputs[2]
+    ctx.save_for_backward(output[3])
+    ctx.probs_meta = None if probs is None else (tuple(probs.shape), probs.dtype)
+
+
+def _backward(ctx, grad_out, grad_pp, grad_side, grad_rid):
+    from qmoe.ops.permute import permute_grads
+
+    (rid,) = ctx.saved_tensors
+    grad_inp, gp = permute_grads(rid, grad_out, grad_pp, ctx.probs_meta)
+    return grad_inp, None, gp, None, None, None
+
+
+_permute_mask.register_autograd(_backward, setup_context=_setup)

@@ -1,0 +1,109 @@
+"""``qmoe::permute_mask``: the mask permute that builds its map rows in the scatter launch.
+
+Its kernel (CUDA, or CPU under TRITON_INTERPRET=1) against ``make_row_id_map`` then the
+torch permute, bit for bit, into poisoned outputs; the op's FP8 passthrough rule; and the
+op's autograd. The public functions take this op on CUDA (their tests then cover it too).
+"""
+
+import pytest
+import torch
+
+import qmoe
+from qmoe._intmath import next_pow2
+from qmoe.ops import backend as B
+from qmoe.ops.permute_mask import permute_mask_triton
+from qmoe.ops.row_id_map import SMALL_MAP_BYTES, MapTiling, make_row_id_map
+from tests.ops.helpers import routing
+from tests.tensors.helpers import RECIPES, assert_same_bits, assert_same_quantized
+
+ops = torch.ops.qmoe
+
+CASES = [  # (T, H, E, K, kind)
+    (1, 1, 4, 2, "random"), (63, 17, 7, 3, "sentinels"), (64, 300, 8, 8, "random"),
+    (40, 64, 256, 8, "no_route_tokens"), (20, 33, 16, 1, "one_expert"),
+    (30, 16, 8, 2, "empty_experts"), (0, 8, 4, 2, "random"), (70, 8, 1024, 4, "random"),
+]
+
+
+def _want(x, mask, n, align, probs, side):
+    rid, _ = make_row_id_map(mask.cpu(), n, False, align)
+    pp = torch.empty(n, dtype=probs.dtype) if probs is not None else None
+    so = torch.empty(n, side.shape[1], dtype=side.dtype) if side is not None else None
+    out = B.permute_rows(x.cpu(), rid, n, probs=None if probs is None else probs.cpu(),
+                         probs_out=pp, side=None if side is None else side.cpu(), side_out=so,
+                         use_triton=False)
+    return out, pp, so, rid
+
+
+@pytest.mark.parametrize("t,h,e,k,kind", CASES)
+@pytest.mark.parametrize("align", [1, 16])
+@pytest.mark.parametrize("one_launch", [False, True], ids=["counts_scan", "one_launch"])
+def test_kernel_matches_two_step_path(kdevice, t, h, e, k, kind, align, one_launch):
+    """Every token program builds its own map row: rows, map, probs and side rows equal
+    the separate map + scatter, with N at, below and above the (padded) routed count."""
+    if one_launch and t * next_pow2(e) > SMALL_MAP_BYTES:
+        pytest.skip("the one-launch form serves small masks (each program reads it all)")
+    if align > 1 and (e > 256 or (one_launch and e > 64)) and kdevice == "cpu":
+        pytest.skip("interpreter time: E fill programs (each counting the whole mask when "
+                    "one_launch); the smaller cases cover padding")
+    ids, mask = routing(t, e, k, kind, kdevice)
+    routed = int(((mask.sum(0) + align - 1) // align * align).sum())
+    x = torch.randn(t, h + 3, device=kdevice)[:, :h]  # a row stride past H
+    probs = torch.rand(t, e, device=kdevice)
+    side = torch.randn(t, 5, device=kdevice)
+    # several count blocks (tokens before t inside t's block) with small inputs
+    tilings = [None] if one_launch else [None, MapTiling(4, 1, 2), MapTiling(1, 1, 1)]
+    inputs = ((mask, None, None), (mask.to(torch.int32), probs, side),
+              (mask, probs, side.view(torch.uint8)[:, :7]))
+    for i, n in enumerate((routed, routed // 2, routed + 70)):
+        m, p, sd = inputs[i]
+        out = torch.full((n, h), float("nan"), device=kdevice)
+        got = permute_mask_triton(x, m, n, align, p, sd, one_launch=one_launch,
+                                  tiling=tilings[i % len(tilings)], out=out)
+        for g, w in zip(got, _want(x, mask, n, align, p, sd)):
+            if w is not None:
+                assert_same_bits(g.cpu(), w)
+
+
+def test_kernel_fp8_bits_and_no_experts(kdevice):
+    t, h, e = 33, 48, 8
+    ids, mask = routing(t, e, 3, "sentinels", kdevice)
+    bits = torch.randint(0, 256, (t, h), dtype=torch.uint8, device=kdevice)
+    for one in (False, True):
+        got = permute_mask_triton(bits, mask, 80, 1, one_launch=one)
+        want = _want(bits, mask, 80, 1, None, None)
+        assert_same_bits(got[0].cpu(), want[0])
+        assert torch.equal(got[3].cpu(), want[3])
+    # E = 0: nothing routed, every row zero, every map row empty
+    out, pp, so, rid = permute_mask_triton(bits, mask[:, :0], 5, 1)
+    assert not out.any() and rid.shape == (t, 1) and not rid.any()
+
+
+@pytest.mark.parametrize("name", ["pertensor-e4m3", "blockwise-e5m2", "mx-e4m3"])
+def test_quantized_inp_passes_intact(name):
+    """The passthrough rule moves the fp8 bits and the block-scale rows in one call."""
+    t, h, e = 37, 256, 8
+    ids, mask = routing(t, e, 2, "sentinels")
+    q = qmoe.quantize(torch.randn(t, h), RECIPES[name])
+    probs = torch.rand(t, e)
+    for n, align in ((int(mask.sum()) - 3, 1), (200, 16)):
+        got, pp, so, rid = ops.permute_mask(q, mask, probs, None, n, align)
+        assert type(got) is type(q) and so.numel() == 0
+        want, pp_w, rid_w, _, _ = qmoe.moe_permute_and_pad_with_probs(
+            q, probs, mask, None, align, num_out_tokens=n)
+        assert_same_quantized(got, want)
+        assert torch.equal(pp, pp_w) and torch.equal(rid, rid_w)
+
+
+def test_autograd_reaches_inp_and_probs(device):
+    t, h, e = 21, 9, 6
+    ids, mask = routing(t, e, 2, "no_route_tokens", device)
+    x = torch.randn(t, h, dtype=torch.float64, device=device, requires_grad=True)
+    probs = torch.rand(t, e, dtype=torch.float64, device=device, requires_grad=True)
+    n = int(mask.sum()) - 2  # two routes dropped: their gradient is zero
+
+    def f(x, probs):
+        out, pp, _, _ = ops.permute_mask(x, mask, probs, None, n, 4)
+        return out, pp
+
+    torch.autograd.gradcheck(f, (x, probs))
