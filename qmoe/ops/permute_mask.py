@@ -32,13 +32,15 @@ def permute_mask_triton(
     *,
     one_launch: bool | None = None,
     tiling: MapTiling | None = None,
+    num_warps: int | None = None,
     out: torch.Tensor | None = None,
 ):
     """``(out [N, H], permuted_probs [N] or empty, side_out [N, NS] or empty, row_id_map
     [T, 2E+1] int32)`` of ``x [T, H]`` by ``mask [T, E]`` (CUDA, or CPU under the
     interpreter), as ``make_row_id_map`` then ``permute_rows``. ``one_launch`` forces the
     SMALL form on or off; ``tiling`` overrides ``map_tiling`` (its block sets the count
-    pass); ``out`` (tests: poisoned) receives the rows. No host sync."""
+    pass), ``num_warps`` the fused kernel's (``scatter_tile``'s); ``out`` (tests:
+    poisoned) receives the rows. No host sync."""
     from qmoe.ops._kernels.permute_mask import permute_mask_kernel
     from qmoe.ops._kernels.row_id_map import block_scan_kernel, mask_block_counts_kernel
 
@@ -65,6 +67,7 @@ def permute_mask_triton(
     be = next_pow2(e)
     bt, map_warps, _ = tiling or map_tiling(t, e)
     bh, nw, kb = scatter_tile(h, x.element_size(), False)
+    nw = num_warps or nw
     small = one_launch if one_launch is not None else t * be * m.element_size() <= SMALL_MAP_BYTES
     before = total = None
     if not small:

@@ -1,0 +1,86 @@
+"""Tiling sweep of the mask permute that builds its map in the scatter launch.
+
+    python benchmarks/sweep_permute_mask.py [--out results.json] [--configs dsv3,qwen3next]
+
+For each config: ``qmoe::permute_mask``'s kernels (counts, scan, fused map + scatter)
+replayed from a CUDA graph (median ms) for each count block (``--block-t``) x warps of the
+fused kernel (``--warps``), bf16 rows and FP8 (uint8) rows; next to them the two-step path
+(``make_row_id_map`` then the scatter) and the scatter alone on a prebuilt map, measured in
+the same run. % is of the measured copy bandwidth, bytes as in ``bench_permute.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_permute import CONFIGS  # noqa: E402
+from common import copy_bandwidth_gbs, env_info, graph_median_ms, write_json  # noqa: E402
+
+from qmoe.ops.backend import permute_rows  # noqa: E402
+from qmoe.ops.permute_mask import permute_mask_triton  # noqa: E402
+from qmoe.ops.row_id_map import MapTiling, make_row_id_map, map_tiling  # noqa: E402
+
+
+def two_step(x, mask, n):
+    rid, fill = make_row_id_map(mask, n, False, 1)
+    return permute_rows(x, rid, n, fill=fill), rid
+
+
+def run_config(name: str, copy_bw: float, block_ts, warps) -> list[dict]:
+    t, h, e, k = CONFIGS[name]
+    n = t * k
+    ids = torch.rand(t, e, device="cuda").argsort(dim=1)[:, :k]
+    mask = torch.zeros(t, e, dtype=torch.bool, device="cuda").scatter_(1, ids, True)
+    rows = []
+    default = map_tiling(t, e)
+    for dname, x in (("bf16", torch.randn(t, h, dtype=torch.bfloat16, device="cuda")),
+                     ("fp8", torch.randint(0, 255, (t, h), dtype=torch.uint8, device="cuda"))):
+        nbytes = (t + n) * h * x.element_size() + mask.numel() + t * (2 * e + 1) * 4
+        rid, fill = make_row_id_map(mask, n, False, 1)
+        cases = {
+            "two-step": lambda x=x: two_step(x, mask, n),
+            "scatter alone": lambda x=x, rid=rid, fill=fill: permute_rows(x, rid, n, fill=fill),
+            "fused default": lambda x=x: permute_mask_triton(x, mask, n, 1),
+        }
+        for bt in block_ts:
+            for nw in warps:
+                til = MapTiling(bt, default.num_warps, default.prefetch)
+                cases[f"fused bt={bt} warps={nw}"] = (
+                    lambda x=x, til=til, nw=nw: permute_mask_triton(x, mask, n, 1, tiling=til,
+                                                                    num_warps=nw))
+        for case, fn in cases.items():
+            ms = graph_median_ms(fn)
+            pct = 100 * nbytes / (ms * 1e-3) / 1e9 / copy_bw
+            rows.append({"config": name, "rows": dname, "case": case, "graph_ms": round(ms, 4),
+                         "pct_copy_bw": round(pct, 1)})
+            print(f"{name:>9} {dname} {case:>24}: {ms:8.4f} ms {pct:5.1f}%", file=sys.stderr)
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=None)
+    p.add_argument("--configs", default="dsv3,qwen3next,qwen3,mixtral,gptoss")
+    p.add_argument("--block-t", default="4,8,16")
+    p.add_argument("--warps", default="4,8")
+    a = p.parse_args()
+    if not torch.cuda.is_available():
+        print("sweep_permute_mask: CUDA not available")
+        return
+    copy_bw = copy_bandwidth_gbs()
+    rows = []
+    for name in a.configs.split(","):
+        rows += run_config(name, copy_bw, [int(v) for v in a.block_t.split(",")],
+                           [int(v) for v in a.warps.split(",")])
+        write_json(a.out, {"bench": "sweep_permute_mask", "env": env_info(),
+                           "copy_GB/s": round(copy_bw, 1), "results": rows})
+
+
+if __name__ == "__main__":
+    main()
