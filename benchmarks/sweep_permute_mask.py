@@ -23,8 +23,8 @@ from bench_permute import CONFIGS  # noqa: E402
 from common import copy_bandwidth_gbs, env_info, graph_median_ms, write_json  # noqa: E402
 
 from qmoe.ops.backend import permute_rows  # noqa: E402
-from qmoe.ops.permute_mask import permute_mask_triton  # noqa: E402
-from qmoe.ops.row_id_map import MapTiling, make_row_id_map, map_tiling  # noqa: E402
+from qmoe.ops.permute_mask import fused_map_tiling, permute_mask_triton  # noqa: E402
+from qmoe.ops.row_id_map import MapTiling, make_row_id_map  # noqa: E402
 
 
 def two_step(x, mask, n):
@@ -38,7 +38,7 @@ def run_config(name: str, copy_bw: float, block_ts, warps) -> list[dict]:
     ids = torch.rand(t, e, device="cuda").argsort(dim=1)[:, :k]
     mask = torch.zeros(t, e, dtype=torch.bool, device="cuda").scatter_(1, ids, True)
     rows = []
-    default = map_tiling(t, e)
+    default = fused_map_tiling(t, e)
     for dname, x in (("bf16", torch.randn(t, h, dtype=torch.bfloat16, device="cuda")),
                      ("fp8", torch.randint(0, 255, (t, h), dtype=torch.uint8, device="cuda"))):
         nbytes = (t + n) * h * x.element_size() + mask.numel() + t * (2 * e + 1) * 4
@@ -67,8 +67,8 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=None)
     p.add_argument("--configs", default="dsv3,qwen3next,qwen3,mixtral,gptoss")
-    p.add_argument("--block-t", default="4,8,16")
-    p.add_argument("--warps", default="4,8")
+    p.add_argument("--block-t", default="8,16,32")
+    p.add_argument("--warps", default="2,4,8")
     a = p.parse_args()
     if not torch.cuda.is_available():
         print("sweep_permute_mask: CUDA not available")

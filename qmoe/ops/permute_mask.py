@@ -22,6 +22,19 @@ from qmoe.ops.row_id_map import SMALL_MAP_BYTES, MapTiling, map_tiling
 ops = torch.ops.qmoe
 
 
+#: Warps of the fused kernel, and tokens per count block (``sweep_permute_mask.py`` on the
+#: H200, docs/benchmarks.md: 16-token blocks and 4 warps were the best or within 1% of it
+#: on dsv3, qwen3, qwen3next, mixtral and gptoss, bf16 and FP8 rows; 8 warps, which the
+#: scatter alone prefers at long rows, lost 1-5 points).
+FUSED_WARPS, FUSED_BLOCK_T = 4, 16
+
+
+def fused_map_tiling(t: int, e: int) -> MapTiling:
+    """The count pass's tiling for the fused kernel: ``map_tiling``'s warps, blocks of
+    ``FUSED_BLOCK_T`` tokens (each token program sums the rows of its block before it)."""
+    return map_tiling(t, e)._replace(block_t=FUSED_BLOCK_T)
+
+
 def permute_mask_triton(
     x: torch.Tensor,
     mask: torch.Tensor,
@@ -38,9 +51,9 @@ def permute_mask_triton(
     """``(out [N, H], permuted_probs [N] or empty, side_out [N, NS] or empty, row_id_map
     [T, 2E+1] int32)`` of ``x [T, H]`` by ``mask [T, E]`` (CUDA, or CPU under the
     interpreter), as ``make_row_id_map`` then ``permute_rows``. ``one_launch`` forces the
-    SMALL form on or off; ``tiling`` overrides ``map_tiling`` (its block sets the count
-    pass), ``num_warps`` the fused kernel's (``scatter_tile``'s); ``out`` (tests:
-    poisoned) receives the rows. No host sync."""
+    SMALL form on or off; ``tiling`` overrides ``fused_map_tiling`` (its block and warps
+    set the count pass), ``num_warps`` the fused kernel's ``FUSED_WARPS``; ``out``
+    (tests: poisoned) receives the rows. No host sync."""
     from qmoe.ops._kernels.permute_mask import permute_mask_kernel
     from qmoe.ops._kernels.row_id_map import block_scan_kernel, mask_block_counts_kernel
 
@@ -65,9 +78,9 @@ def permute_mask_triton(
     if side is not None and side.stride(1) != 1:
         side = side.contiguous()
     be = next_pow2(e)
-    bt, map_warps, _ = tiling or map_tiling(t, e)
-    bh, nw, kb = scatter_tile(h, x.element_size(), False)
-    nw = num_warps or nw
+    bt, map_warps, _ = tiling or fused_map_tiling(t, e)
+    bh, _, kb = scatter_tile(h, x.element_size(), False)
+    nw = num_warps or FUSED_WARPS
     small = one_launch if one_launch is not None else t * be * m.element_size() <= SMALL_MAP_BYTES
     before = total = None
     if not small:
