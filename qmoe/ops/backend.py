@@ -127,8 +127,14 @@ def scatter_programs(t: int, n: int, fill: torch.Tensor | None) -> tuple[int, in
     tail of up to N rows; empty ones cost a load and exit)."""
     if fill is None:
         return t, 0, 0
-    r, z = fill.shape[0], max(1, min(256, cdiv(n, 64)))
+    r, z = fill.shape[0], tail_programs(n)
     return t + r - 1 + z, r, z
+
+
+def tail_programs(n: int) -> int:
+    """Z, the programs that share zeroing the tail of unwritten rows (about 64 rows each,
+    at most 256 programs)."""
+    return max(1, min(256, cdiv(n, 64)))
 
 
 def unpermute_rows(

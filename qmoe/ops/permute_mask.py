@@ -6,7 +6,7 @@ On CUDA ``moe_permute`` (and the ``_with_probs`` and pad variants) of a mask tak
 its kernel (``_kernels/permute_mask.py``) has every token program build its own map row
 and then move its data row, so the map costs no pass of its own. Launches: the per-block
 counts and their scan, then the fused kernel; one launch for masks of at most
-``SMALL_MAP_BYTES`` (every program counts the whole mask itself). The map and output
+``row_id_map.SMALL_MAP_BYTES`` (every program counts the whole mask itself). The map and output
 equal ``make_row_id_map`` then ``permute``'s, which is what the op runs off CUDA.
 """
 
@@ -16,8 +16,8 @@ import torch
 
 from qmoe._intmath import cdiv, next_pow2
 from qmoe._library import define
-from qmoe.ops.backend import scatter_tile
-from qmoe.ops.row_id_map import SMALL_MAP_BYTES, MapTiling, map_tiling
+from qmoe.ops.backend import scatter_tile, tail_programs
+from qmoe.ops.row_id_map import MapTiling, block_counts, map_tiling, mask_operand, small_mask
 
 ops = torch.ops.qmoe
 
@@ -55,7 +55,6 @@ def permute_mask_triton(
     set the count pass), ``num_warps`` the fused kernel's ``FUSED_WARPS``; ``out``
     (tests: poisoned) receives the rows. No host sync."""
     from qmoe.ops._kernels.permute_mask import permute_mask_kernel
-    from qmoe.ops._kernels.row_id_map import block_scan_kernel, mask_block_counts_kernel
 
     t, h = x.shape
     e = mask.shape[1]
@@ -70,9 +69,7 @@ def permute_mask_triton(
             buf.zero_()
         rid.fill_(-1)[:, -1] = 0
         return out, pp, so, rid
-    m = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
-    if m.stride(1) != 1:
-        m = m.contiguous()
+    m = mask_operand(mask)
     if x.stride(1) != 1:
         x = x.contiguous()
     if side is not None and side.stride(1) != 1:
@@ -81,19 +78,10 @@ def permute_mask_triton(
     bt, map_warps, _ = tiling or fused_map_tiling(t, e)
     bh, _, kb = scatter_tile(h, x.element_size(), False)
     nw = num_warps or FUSED_WARPS
-    small = one_launch if one_launch is not None else t * be * m.element_size() <= SMALL_MAP_BYTES
-    before = total = None
-    if not small:
-        nblk = cdiv(t, bt)
-        before = rid.new_empty((nblk, e))
-        total = rid.new_empty((e,))
-        mask_block_counts_kernel[(nblk,)](m, before, t, e, m.stride(0), BLOCK_T=bt,
-                                          BLOCK_E=be, num_warps=map_warps)
-        cols = min(be, max(1, next_pow2(cdiv(e, 128))))  # ~128 programs
-        chunk = max(1, min(next_pow2(nblk), 4096 // cols))
-        block_scan_kernel[(cdiv(e, cols),)](before, total, nblk, e, CHUNK_B=chunk, COLS=cols)
+    small = one_launch if one_launch is not None else small_mask(m)
+    before, total = (None, None) if small else block_counts(m, bt, map_warps)
     ranges = e if align_size > 1 else 0
-    z = max(1, min(256, cdiv(n, 64)))
+    z = tail_programs(n)
     has_p, has_s = probs is not None, side is not None
     permute_mask_kernel[(t + ranges + z, cdiv(max(h, 1), bh))](
         x, out, m, before, total, rid, probs, pp if has_p else None, side,

@@ -158,14 +158,10 @@ class _QuantizePermute(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, grad_pp):
-        from qmoe.ops.permute import probs_grad
+        from qmoe.ops.permute import permute_grads
 
         (rid,) = ctx.saved_tensors
-        gx = ops.unpermute(_plain(grad_out).contiguous(), rid, None)
-        gp = None
-        if ctx.probs_meta is not None and grad_pp is not None:
-            (t, p), dtype = ctx.probs_meta
-            gp = probs_grad(rid, grad_pp, t, p, dtype)
+        gx, gp = permute_grads(rid, _plain(grad_out), grad_pp, ctx.probs_meta)
         return gx, gp, None, None, None, None, None
 
 

@@ -132,6 +132,38 @@ def map_tiling(t: int, e: int) -> MapTiling:
 SMALL_MAP_BYTES = 1 << 15
 
 
+def mask_operand(routing_map: torch.Tensor) -> torch.Tensor:
+    """The ``[T, E]`` mask as the Triton kernels read it: bool viewed as uint8, unit
+    column stride."""
+    m = routing_map.view(torch.uint8) if routing_map.dtype == torch.bool else routing_map
+    return m if m.stride(1) == 1 else m.contiguous()
+
+
+def small_mask(m: torch.Tensor) -> bool:
+    """Whether a mask (from ``mask_operand``) is small enough (``SMALL_MAP_BYTES``) for the
+    one-launch forms, whose programs each count all of it."""
+    return m.shape[0] * next_pow2(m.shape[1]) * m.element_size() <= SMALL_MAP_BYTES
+
+
+def block_counts(m: torch.Tensor, block_t: int, num_warps: int):
+    """``(before [cdiv(T, block_t), E], total [E])`` int32 of a mask from
+    ``mask_operand`` in two launches: each block's tokens per expert, then their exclusive
+    prefix over the blocks (tokens of earlier blocks) and each expert's total."""
+    from qmoe.ops._kernels.row_id_map import block_scan_kernel, mask_block_counts_kernel
+
+    t, e = m.shape
+    be = next_pow2(e)
+    nblk = cdiv(t, block_t)
+    before = m.new_empty((nblk, e), dtype=torch.int32)
+    total = m.new_empty((e,), dtype=torch.int32)
+    mask_block_counts_kernel[(nblk,)](m, before, t, e, m.stride(0), BLOCK_T=block_t,
+                                      BLOCK_E=be, num_warps=num_warps)
+    cols = min(be, max(1, next_pow2(cdiv(e, 128))))  # ~128 programs
+    chunk = max(1, min(next_pow2(nblk), 4096 // cols))
+    block_scan_kernel[(cdiv(e, cols),)](before, total, nblk, e, CHUNK_B=chunk, COLS=cols)
+    return before, total
+
+
 def _mask_rows_triton(
     routing_map: torch.Tensor,
     num_out_tokens: int,
@@ -144,12 +176,7 @@ def _mask_rows_triton(
     ``SMALL_MAP_BYTES`` (``one_launch`` forces either). ``tiling`` overrides
     ``map_tiling`` (tests shrink it to reach many blocks with small inputs; the sweep
     tries others)."""
-    from qmoe.ops._kernels.row_id_map import (
-        block_scan_kernel,
-        mask_block_counts_kernel,
-        mask_row_id_map_kernel,
-        mask_row_id_map_small_kernel,
-    )
+    from qmoe.ops._kernels.row_id_map import mask_row_id_map_kernel, mask_row_id_map_small_kernel
 
     t, e = routing_map.shape
     rid = routing_map.new_empty((t, 2 * e + 1), dtype=torch.int32)
@@ -157,9 +184,7 @@ def _mask_rows_triton(
         counts = routing_map.new_zeros((e if align_size > 1 else 1,), dtype=torch.int32)
         return (rid.fill_(0) if e == 0 else rid), fill_rows(counts, num_out_tokens, align_size)
     fill = rid.new_empty((fill_count(routing_map, False, align_size), 2))
-    m = routing_map.view(torch.uint8) if routing_map.dtype == torch.bool else routing_map
-    if m.stride(1) != 1:
-        m = m.contiguous()
+    m = mask_operand(routing_map)
     be = next_pow2(e)
     bt, nw, pf = tiling or map_tiling(t, e)
     if bt < 1 or pf < 1 or nw < 1 or nw & (nw - 1):
@@ -167,7 +192,7 @@ def _mask_rows_triton(
                          "num_warps a power of two")
     nblk = cdiv(t, bt)
     a = max(align_size, 1)
-    if one_launch if one_launch is not None else t * be * m.element_size() <= SMALL_MAP_BYTES:
+    if one_launch if one_launch is not None else small_mask(m):
         # the counting walk: 8192 entries a step over 4 warps (64 a thread)
         chunk = max(1, min(next_pow2(t), 8192 // be))
         mask_row_id_map_small_kernel[(nblk,)](
@@ -175,13 +200,7 @@ def _mask_rows_triton(
             CHUNK_T=chunk, PREFETCH=min(pf, bt), num_warps=max(4, nw),
         )
         return rid, fill
-    counts = rid.new_empty((nblk, e))
-    total = rid.new_empty((e,))
-    mask_block_counts_kernel[(nblk,)](m, counts, t, e, m.stride(0), BLOCK_T=bt, BLOCK_E=be,
-                                      num_warps=nw)
-    cols = min(be, max(1, next_pow2(cdiv(e, 128))))  # ~128 programs
-    chunk = max(1, min(next_pow2(nblk), 4096 // cols))
-    block_scan_kernel[(cdiv(e, cols),)](counts, total, nblk, e, CHUNK_B=chunk, COLS=cols)
+    counts, total = block_counts(m, bt, nw)
     mask_row_id_map_kernel[(nblk,)](
         m, counts, total, rid, fill, t, e, num_out_tokens, a, m.stride(0),
         BLOCK_T=bt, BLOCK_E=be, PREFETCH=min(pf, bt), num_warps=nw,
