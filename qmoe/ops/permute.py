@@ -143,16 +143,16 @@ def _permute(fn, inp, probs, routing_map, map_type, num_out_tokens, num_experts,
     n = _out_rows(fn, inp, routing_map, map_type, num_out_tokens, num_experts, align_size)
     C.check_probs(fn, "probs", probs, inp.shape[0], routing_map.shape[1], inp,
                   "E" if map_type == "mask" else "K")
-    if quantize is None and _map_in_scatter(inp, map_type):
+    if quantize is not None:
+        return quantize_and_permute(fn, inp, probs, routing_map, map_type == "index",
+                                    align_size, n, quantize, quantize_scale)
+    if _map_in_scatter(inp, map_type):
         out, pp, _, rid = torch.ops.qmoe.permute_mask(inp, routing_map, probs, None, n,
                                                       align_size)
         return out, pp, rid
     rid, fill = torch.ops.qmoe.make_row_id_map(routing_map, n, map_type == "index",
                                                align_size)
-    if quantize is not None:
-        out, pp = quantize_and_permute(fn, inp, probs, rid, fill, n, quantize, quantize_scale)
-    else:
-        out, pp = torch.ops.qmoe.permute(inp, rid, probs, n, fill)
+    out, pp = torch.ops.qmoe.permute(inp, rid, probs, n, fill)
     return out, pp, rid
 
 

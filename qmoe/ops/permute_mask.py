@@ -35,6 +35,12 @@ def fused_map_tiling(t: int, e: int) -> MapTiling:
     return map_tiling(t, e)._replace(block_t=FUSED_BLOCK_T)
 
 
+def count_chunk(t: int, block_e: int, num_warps: int) -> int:
+    """Mask rows per step of a SMALL program's counting walk: about 2048 mask entries a
+    warp and step."""
+    return max(1, min(next_pow2(t), 2048 * num_warps // block_e))
+
+
 def permute_mask_triton(
     x: torch.Tensor,
     mask: torch.Tensor,
@@ -88,8 +94,7 @@ def permute_mask_triton(
         so if has_s else None, t, n, h, e, ns, max(align_size, 1), z, x.stride(0),
         m.stride(0), probs.stride(0) if has_p else None, side.stride(0) if has_s else None,
         HAS_P=has_p, HAS_SIDE=has_s, SMALL=small, BLOCK_T=bt, BLOCK_E=be,
-        # SMALL's counting walk: about 2048 mask entries a warp and step
-        CHUNK_T=max(1, min(next_pow2(t), 2048 * nw // be)), KB=kb, BLOCK_H=bh,
+        CHUNK_T=count_chunk(t, be, nw), KB=kb, BLOCK_H=bh,
         BLOCK_S=next_pow2(max(ns, 1)), num_warps=nw,
     )
     return out, pp, so, rid

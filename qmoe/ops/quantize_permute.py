@@ -47,6 +47,37 @@ def _two_step(x, rid, probs, n, block_size, fp8_dtype, scale_mode, scale):
     return bits.view(fp8_dtype), s_out, pp if probs is not None else x.new_empty(0)
 
 
+def _outputs(x, n, block_size, fp8_dtype, scale_mode, scale, probs, poison):
+    """``(q [N, H] uint8, scale out, pp [N] or empty, BS, NB)`` of the fused kernels,
+    allocated (``poison``: filled with 0xFF bytes first, so a row a kernel misses shows)."""
+    given = scale_mode == "given"
+    bs = 512 if given else block_size  # per-tensor: the block is only the tile width
+    nb = _nb(x.shape[1], bs)
+    q = torch.empty((n, x.shape[1]), dtype=torch.uint8, device=x.device)
+    if given:
+        s_out = scale.float().reshape(()).clone()
+    else:
+        sdt = torch.uint8 if scale_mode == "mx_floor" else torch.float32
+        s_out = torch.empty((n, nb), dtype=sdt, device=x.device)
+    pp = probs.new_empty((n,)) if probs is not None else x.new_empty(0)
+    if poison:
+        for buf in (q, pp) if given else (q, s_out, pp):
+            buf.view(torch.uint8).fill_(0xFF)
+    return q, s_out, pp, bs, nb
+
+
+def _consts(x, fp8_dtype, scale_mode, bs, nb, tile) -> dict:
+    """The quantizing constexprs of the fused kernels, and the column tiling: ``tile`` row
+    elements per program (``sweep_permute.py``: 4096 at H >= 4096, else 1024)."""
+    if tile is None:
+        tile = 4096 if x.shape[1] >= 4096 else 1024
+    e4m3 = fp8_dtype == torch.float8_e4m3fn
+    return dict(FP8_MAX=fp8_max(fp8_dtype), EMAX_ELEM=_emax_elem(fp8_dtype), EPS=EPS,
+                SCALE_MODE=3 if scale_mode == "given" else SCALE_MODES[scale_mode],
+                MB=3 if e4m3 else 2, BIAS=7 if e4m3 else 15, HW_CAST=x.is_cuda, BS=bs,
+                GROUPS=max(1, min(tile // bs, next_pow2(nb))))
+
+
 def quantize_permute_triton(x, rid, probs, n, block_size, fp8_dtype, scale_mode, scale,
                             fill=None, *, tile=None, kb=4, num_warps=4, poison=False):
     """The fused kernel (CUDA, or CPU under TRITON_INTERPRET=1); outputs as the op's.
@@ -61,40 +92,22 @@ def quantize_permute_triton(x, rid, probs, n, block_size, fp8_dtype, scale_mode,
     t, h = x.shape
     if h == 0:
         return _two_step(x, rid, probs, n, block_size, fp8_dtype, scale_mode, scale)
-    given = scale_mode == "given"
-    bs = 512 if given else block_size  # per-tensor: the block is only the tile width
-    nb = _nb(h, bs)
-    q = torch.empty((n, h), dtype=torch.uint8, device=x.device)
-    if given:
-        s_out = scale.float().reshape(()).clone()
-    else:
-        sdt = torch.uint8 if scale_mode == "mx_floor" else torch.float32
-        s_out = torch.empty((n, nb), dtype=sdt, device=x.device)
-    has_p = probs is not None
-    pp = probs.new_empty((n,)) if has_p else x.new_empty(0)
-    if poison:
-        for buf in (q, pp) if given else (q, s_out, pp):
-            buf.view(torch.uint8).fill_(0xFF)
+    q, s_out, pp, bs, nb = _outputs(x, n, block_size, fp8_dtype, scale_mode, scale, probs,
+                                    poison)
     if n == 0:
         return q.view(fp8_dtype), s_out, pp
     if x.stride(1) != 1:
         x = x.contiguous()
-    has_f = fill is not None
+    given, has_p, has_f = scale_mode == "given", probs is not None, fill is not None
     written = fill if has_f else torch.zeros(n, dtype=torch.int8, device=x.device)
-    if tile is None:  # row elements per program (sweep_permute.py: 4096 at H >= 4096)
-        tile = 4096 if h >= 4096 else 1024
-    groups = max(1, min(tile // bs, next_pow2(nb)))
-    e4m3 = fp8_dtype == torch.float8_e4m3fn
+    consts = _consts(x, fp8_dtype, scale_mode, bs, nb, tile)
     progs, r, z = scatter_programs(t, n, fill)
     if progs:
-        quantize_permute_kernel[(progs, cdiv(nb, groups))](
+        quantize_permute_kernel[(progs, cdiv(nb, consts["GROUPS"]))](
             x, q, s_out, rid, probs if has_p else x, pp if has_p else written, written,
             fill if has_f else written, t, n, h, nb, num_slots(rid), r, z, x.stride(0),
-            probs.stride(0) if has_p else 0,
-            FP8_MAX=fp8_max(fp8_dtype), EMAX_ELEM=_emax_elem(fp8_dtype), EPS=EPS,
-            SCALE_MODE=3 if given else SCALE_MODES[scale_mode], MB=3 if e4m3 else 2,
-            BIAS=7 if e4m3 else 15, HW_CAST=x.is_cuda, HAS_P=has_p, HAS_FILL=has_f, BS=bs,
-            GROUPS=groups, KB=kb, num_warps=num_warps,
+            probs.stride(0) if has_p else 0, HAS_P=has_p, HAS_FILL=has_f, KB=kb,
+            num_warps=num_warps, **consts,
         )
     if not has_f:
         zero_rows_kernel[(cdiv(n, 64),)](
@@ -103,6 +116,49 @@ def quantize_permute_triton(x, rid, probs, n, block_size, fp8_dtype, scale_mode,
             BLOCK_S=next_pow2(nb), num_warps=4,
         )
     return q.view(fp8_dtype), s_out, pp
+
+
+def quantize_permute_mask_triton(x, mask, n, align_size, probs, block_size, fp8_dtype,
+                                 scale_mode, scale, *, one_launch=None, tiling=None, kb=4,
+                                 num_warps=4, poison=False):
+    """``(q, scale, permuted_probs, row_id_map)`` of ``x [T, H]`` by ``mask [T, E]`` with
+    the map built in the fused launch (CUDA, or CPU under TRITON_INTERPRET=1): as
+    ``make_row_id_map`` then ``quantize_permute_triton``, bit for bit. ``one_launch`` and
+    ``tiling`` as in ``permute_mask_triton``; the rest as in ``quantize_permute_triton``.
+    No host sync."""
+    from qmoe.ops._kernels.quantize_permute import quantize_permute_mask_kernel
+    from qmoe.ops.backend import tail_programs
+    from qmoe.ops.permute_mask import count_chunk, fused_map_tiling
+    from qmoe.ops.row_id_map import block_counts, mask_operand, small_mask
+
+    t, h = x.shape
+    e = mask.shape[1]
+    if h == 0 or t == 0 or e == 0:  # nothing to quantize, or no routes: the two ops
+        rid, fill = ops.make_row_id_map(mask, n, False, align_size)
+        return (*quantize_permute_triton(x, rid, probs, n, block_size, fp8_dtype, scale_mode,
+                                         scale, fill, poison=poison), rid)
+    q, s_out, pp, bs, nb = _outputs(x, n, block_size, fp8_dtype, scale_mode, scale, probs,
+                                    poison)
+    rid = mask.new_empty((t, 2 * e + 1), dtype=torch.int32)
+    m = mask_operand(mask)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    bt, map_warps, _ = tiling or fused_map_tiling(t, e)
+    small = one_launch if one_launch is not None else small_mask(m)
+    before, total = (None, None) if small else block_counts(m, bt, map_warps)
+    ranges = e if align_size > 1 else 0
+    z = tail_programs(n)
+    has_p = probs is not None
+    be = next_pow2(e)
+    consts = _consts(x, fp8_dtype, scale_mode, bs, nb, None)
+    quantize_permute_mask_kernel[(t + ranges + z, cdiv(nb, consts["GROUPS"]))](
+        x, q, s_out, m, before, total, rid, probs, pp if has_p else None, t, n, h, nb, e,
+        max(align_size, 1), z, x.stride(0), m.stride(0), probs.stride(0) if has_p else None,
+        HAS_P=has_p, SMALL=small, BLOCK_T=bt, BLOCK_E=be,
+        CHUNK_T=count_chunk(t, be, num_warps), KB=kb,
+        num_warps=num_warps, **consts,
+    )
+    return q.view(fp8_dtype), s_out, pp, rid
 
 
 @define(
@@ -136,17 +192,51 @@ def _(x, row_id_map, probs, num_out_tokens, block_size, fp8_dtype, scale_mode, s
     return q, s, pp
 
 
+@define(
+    "quantize_permute_mask(Tensor x, Tensor routing_map, Tensor? probs, SymInt num_out_tokens, "
+    "int align_size, int block_size, ScalarType fp8_dtype, str scale_mode, Tensor? scale) "
+    "-> (Tensor, Tensor, Tensor, Tensor)"
+)
+def _quantize_permute_mask(x, routing_map, probs, num_out_tokens, align_size, block_size,
+                           fp8_dtype, scale_mode, scale):
+    """``quantize_permute``'s outputs and the ``row_id_map`` ``[T, 2E+1]`` int32 of the
+    ``[T, E]`` mask, each expert's group padded to ``align_size``. On CUDA the map is built
+    inside the fused launch (after the per-block count and scan launches, or alone for a
+    small mask); elsewhere ``make_row_id_map`` then ``quantize_permute``. No host sync."""
+    if x.is_cuda:
+        return quantize_permute_mask_triton(x, routing_map, num_out_tokens, align_size, probs,
+                                            block_size, fp8_dtype, scale_mode, scale)
+    rid, fill = ops.make_row_id_map(routing_map, num_out_tokens, False, align_size)
+    return (*ops.quantize_permute(x, rid, probs, num_out_tokens, block_size, fp8_dtype,
+                                  scale_mode, scale, fill), rid)
+
+
+@_quantize_permute_mask.register_fake
+def _(x, routing_map, probs, num_out_tokens, align_size, block_size, fp8_dtype, scale_mode,
+      scale):
+    t, e = routing_map.shape
+    rid = routing_map.new_empty((t, 2 * e + 1), dtype=torch.int32)
+    return (*ops.quantize_permute(x, rid, probs, num_out_tokens, block_size, fp8_dtype,
+                                  scale_mode, scale), rid)
+
+
 class _QuantizePermute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, probs, rid, fill, n, recipe, scale):
+    def forward(ctx, x, probs, routing_map, is_index, align_size, n, recipe, scale):
         if isinstance(recipe, PerTensor):
             s = per_tensor_scale(x, recipe) if scale is None else scale.float().reshape(())
             mode, bs = "given", 0
         else:
             s, mode, bs = None, _scale_mode(recipe), recipe.block_size
-        q, s_out, pp = ops.quantize_permute(x, rid, probs, n, bs, recipe.fp8_dtype, mode, s,
-                                            fill)
+        args = (n, bs, recipe.fp8_dtype, mode, s)
+        if not is_index and x.is_cuda:  # the map built inside the fused launch
+            q, s_out, pp, rid = ops.quantize_permute_mask(x, routing_map, probs, n,
+                                                          align_size, *args[1:])
+        else:
+            rid, fill = ops.make_row_id_map(routing_map, n, is_index, align_size)
+            q, s_out, pp = ops.quantize_permute(x, rid, probs, *args, fill)
         ctx.save_for_backward(rid)
+        ctx.mark_non_differentiable(rid)
         ctx.probs_meta = None if probs is None else (tuple(probs.shape), probs.dtype)
         if isinstance(recipe, PerTensor):
             out = Float8Tensor(q, s_out, x.dtype)
@@ -154,19 +244,21 @@ class _QuantizePermute(torch.autograd.Function):
             out = MXFP8Tensor(q, s_out, x.dtype)
         else:
             out = Float8BlockwiseTensor(q, s_out, x.dtype, recipe.block_size)
-        return out, pp
+        return out, pp, rid
 
     @staticmethod
-    def backward(ctx, grad_out, grad_pp):
+    def backward(ctx, grad_out, grad_pp, grad_rid):
         from qmoe.ops.permute import permute_grads
 
         (rid,) = ctx.saved_tensors
         gx, gp = permute_grads(rid, _plain(grad_out), grad_pp, ctx.probs_meta)
-        return gx, gp, None, None, None, None, None
+        return gx, gp, None, None, None, None, None, None
 
 
-def quantize_and_permute(fn: str, x, probs, rid, fill, n, recipe: Recipe, scale):
-    """The public functions' fused path: ``(quantized output [N, H], permuted_probs)``."""
+def quantize_and_permute(fn: str, x, probs, routing_map, is_index: bool, align_size: int, n,
+                         recipe: Recipe, scale):
+    """The public functions' fused path: ``(quantized output [N, H], permuted_probs,
+    row_id_map)``."""
     from qmoe.tensors.base import QuantizedTensor
 
     if isinstance(x, QuantizedTensor):
@@ -183,4 +275,5 @@ def quantize_and_permute(fn: str, x, probs, rid, fill, n, recipe: Recipe, scale)
         if scale.device != x.device:
             raise ValueError(f"{fn}: quantize_scale is on {scale.device} but inp is on "
                              f"{x.device}")
-    return _QuantizePermute.apply(x, probs, rid, fill, n, recipe, scale)
+    return _QuantizePermute.apply(x, probs, routing_map, is_index, align_size, n, recipe,
+                                  scale)

@@ -4,7 +4,12 @@ import pytest
 import torch
 
 import qmoe
-from qmoe.ops.quantize_permute import _two_step, quantize_permute_triton
+from qmoe.ops.quantize_permute import (
+    _two_step,
+    quantize_permute_mask_triton,
+    quantize_permute_triton,
+)
+from qmoe.ops.row_id_map import MapTiling
 from qmoe.tensors.quantize import _scale_mode, per_tensor_scale
 from tests.ops.helpers import routing
 from tests.tensors.helpers import RECIPES, assert_same_bits, assert_same_quantized
@@ -58,6 +63,52 @@ def test_fused_kernel_zeroes_padding_and_tail(kdevice, recipe):
         got = quantize_permute_triton(x, rid, p, n, *_args(r, x), f, poison=True)
         for a, b in zip(got, want):
             assert_same_bits(a.cpu(), b)
+
+
+MASK_CASES = [  # (T, H, E, K, kind, align, N relative to the padded routed count)
+    (1, 17, 4, 2, "random", 1, 0), (63, 160, 8, 3, "sentinels", 16, 40),
+    (40, 300, 16, 4, "empty_experts", 1, -9), (20, 64, 5, 1, "one_expert", 4, 0),
+    (33, 96, 256, 8, "no_route_tokens", 1, 5),
+]
+
+
+@pytest.mark.parametrize("recipe", ["blockwise-e4m3", "mx-e5m2", "pertensor-e5m2"])
+@pytest.mark.parametrize("t,h,e,k,kind,align,extra", MASK_CASES)
+def test_mask_kernel_matches_map_then_fused(kdevice, recipe, t, h, e, k, kind, align, extra):
+    """The fused kernel that builds its map rows itself (``quantize_permute_mask``): the
+    map, bits, scales and probs equal ``make_row_id_map`` then the fused kernel on it, into
+    poisoned outputs; both launch forms, several count tilings, with and without probs."""
+    r = RECIPES[recipe]
+    _, mask = routing(t, e, k, kind, kdevice)
+    routed = int(((mask.sum(0) + align - 1) // align * align).sum())
+    n = max(0, routed + extra)
+    x = (torch.randn(t, h + 5, device=kdevice) * 3)[:, :h].to(torch.bfloat16)  # row stride
+    probs = torch.rand(t, e, device=kdevice)
+    rid, fill = torch.ops.qmoe.make_row_id_map(mask, n, False, align)
+    forms = [(True, None), (False, None), (False, MapTiling(4, 1, 2))]
+    for i, (one, tiling) in enumerate(forms):
+        if align > 1 and e > 64 and one and kdevice == "cpu":
+            continue  # interpreter time: E fill programs each counting the whole mask
+        p = probs if i != 1 else None
+        want = quantize_permute_triton(x, rid, p, n, *_args(r, x), fill)
+        got = quantize_permute_mask_triton(x, mask if i else mask.to(torch.int32), n, align, p,
+                                           *_args(r, x), one_launch=one, tiling=tiling,
+                                           poison=True)
+        assert_same_bits(got[3], rid)
+        for a, b in zip(got[:3], want):
+            assert_same_bits(a, b)
+
+
+def test_mask_kernel_no_tokens_or_experts(kdevice):
+    r = RECIPES["mx-e4m3"]
+    for t, e, n in ((0, 4, 6), (5, 0, 3)):
+        x = torch.randn(t, 64, device=kdevice)
+        mask = torch.zeros(t, e, dtype=torch.bool, device=kdevice)
+        q, s, pp, rid = quantize_permute_mask_triton(x, mask, n, 1, None, *_args(r, x),
+                                                     poison=True)
+        assert q.shape == (n, 64) and not q.view(torch.uint8).any() and not s.any()
+        assert rid.shape == (t, 2 * e + 1) and not rid[:, -1].any()
+        assert (rid[:, :-1] == -1).all()
 
 
 @pytest.mark.parametrize("recipe", ["blockwise-e4m3", "mx-e5m2", "pertensor-e4m3"])
@@ -126,6 +177,16 @@ def test_opcheck_and_fake():
                                       (x, rid, p, n, *args))
             torch.library.opcheck(torch.ops.qmoe.quantize_permute.default,
                                   (x, rid, probs, n, *args, fill))
+    for n, align in ((int(mask.sum()), 1), (int(mask.sum()) + 20, 8)):
+        torch.library.opcheck(torch.ops.qmoe.quantize_permute_mask.default,
+                              (x, mask, probs, n, align, 128, torch.float8_e4m3fn, "amax",
+                               None))
+        torch.library.opcheck(torch.ops.qmoe.quantize_permute_mask.default,
+                              (x, mask, None, n, align, 0, torch.float8_e5m2, "given",
+                               torch.tensor(0.05, device=DEV)))
+    torch.library.opcheck(torch.ops.qmoe.quantize_permute_mask.default,
+                          (x[:0], mask[:0], probs[:0], 0, 1, 32, torch.float8_e4m3fn,
+                           "mx_floor", None))
     empty = torch.randn(0, h, device=DEV)
     rid, _ = torch.ops.qmoe.make_row_id_map(mask[:0], 0, False, 1)
     torch.library.opcheck(torch.ops.qmoe.quantize_permute.default,

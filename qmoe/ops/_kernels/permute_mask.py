@@ -60,44 +60,65 @@ def permute_mask_kernel(
     pid = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = cols < H
-    ce = tl.arange(0, BLOCK_E)
-    emask = ce < E
     if pid < T:
         t = pid.to(tl.int64)
         x = tl.load(inp_ptr + t * stride_in + cols, mask=hmask)  # in flight meanwhile
-        if SMALL:
-            total, before = count_mask(mask_ptr, T, E, stride_m, pid, ce, CHUNK_T)
-        else:
-            blk = pid // BLOCK_T
-            total = tl.load(total_ptr + ce, mask=emask, other=0)
-            before = tl.load(before_ptr + blk.to(tl.int64) * E + ce, mask=emask, other=0)
-            for i in tl.static_range(BLOCK_T - 1):  # the block's rows before t (rows < pid)
-                before += mask_row(mask_ptr, blk * BLOCK_T + i, pid, E, stride_m, ce)
-        start, padded = expert_starts(total, A)
-        run = start + before  # each expert's row for this token
-        keep = (mask_row(mask_ptr, pid, T, E, stride_m, ce) != 0) & (run < N)
-        ki = keep.to(tl.int32)
-        slot = tl.cumsum(ki, axis=0) - ki  # position among the token's kept routes
-        write_map_row(map_ptr + t * (2 * E + 1), E, ce, emask, slot, run, ce, keep,
-                      tl.sum(ki, axis=0), tl.full((BLOCK_E,), -1, dtype=tl.int32))
-        tl.debug_barrier()  # the map row's stores are visible to all of the program
+        build_map_row(pid, mask_ptr, before_ptr, total_ptr, map_ptr, T, N, E, A, stride_m,
+                      SMALL, BLOCK_T, BLOCK_E, CHUNK_T)
         _scatter_token(t, x, out_ptr, map_ptr, None, None, p_ptr, pp_ptr, side_ptr,
                        side_out_ptr, N, E, NS, H, cols, hmask, 0, stride_p, stride_side,
                        False, HAS_P, HAS_SIDE, False, KB, BLOCK_H, BLOCK_S)
     else:
-        if SMALL:
-            total, _ = count_mask(mask_ptr, T, E, stride_m, 0, ce, CHUNK_T)
-        else:
-            total = tl.load(total_ptr + ce, mask=emask, other=0)
-        start, padded = expert_starts(total, A)
-        g = pid - T
-        ranges = tl.where(A > 1, E, 0)  # padded maps: one range per expert before the tail
-        if g < ranges:
-            lo = tl.sum(tl.where(ce == g, start + total, 0), axis=0)
-            hi = tl.sum(tl.where(ce == g, start + padded, 0), axis=0)
-        else:
-            lo, hi = _tail_share(tl.minimum(tl.sum(padded, axis=0), N), N, g - ranges, Z)
+        lo, hi = unwritten_range(pid - T, mask_ptr, total_ptr, T, N, E, A, Z, stride_m, SMALL,
+                                 BLOCK_E, CHUNK_T)
         sc = tl.arange(0, BLOCK_S)
         first = tl.program_id(1) == 0
         zero_rows(lo, hi, N, out_ptr, H, cols, hmask, side_out_ptr, NS, sc,
                   sc < tl.where(first, NS, 0), pp_ptr, first, HAS_SIDE, HAS_P)
+
+
+@triton.jit
+def build_map_row(pid, mask_ptr, before_ptr, total_ptr, map_ptr, T, N, E, A, stride_m,
+                  SMALL: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                  CHUNK_T: tl.constexpr):
+    """Store token ``pid``'s map row (``pid < T``; arguments as in ``permute_mask_kernel``),
+    then pass a barrier, so the whole program may read the row back."""
+    ce = tl.arange(0, BLOCK_E)
+    emask = ce < E
+    if SMALL:
+        total, before = count_mask(mask_ptr, T, E, stride_m, pid, ce, CHUNK_T)
+    else:
+        blk = pid // BLOCK_T
+        total = tl.load(total_ptr + ce, mask=emask, other=0)
+        before = tl.load(before_ptr + blk.to(tl.int64) * E + ce, mask=emask, other=0)
+        for i in tl.static_range(BLOCK_T - 1):  # the block's rows before t (rows < pid)
+            before += mask_row(mask_ptr, blk * BLOCK_T + i, pid, E, stride_m, ce)
+    start, padded = expert_starts(total, A)
+    run = start + before  # each expert's row for this token
+    keep = (mask_row(mask_ptr, pid, T, E, stride_m, ce) != 0) & (run < N)
+    ki = keep.to(tl.int32)
+    slot = tl.cumsum(ki, axis=0) - ki  # position among the token's kept routes
+    write_map_row(map_ptr + pid.to(tl.int64) * (2 * E + 1), E, ce, emask, slot, run, ce, keep,
+                  tl.sum(ki, axis=0), tl.full((BLOCK_E,), -1, dtype=tl.int32))
+    tl.debug_barrier()  # the map row's stores are visible to all of the program
+
+
+@triton.jit
+def unwritten_range(g, mask_ptr, total_ptr, T, N, E, A, Z, stride_m, SMALL: tl.constexpr,
+                    BLOCK_E: tl.constexpr, CHUNK_T: tl.constexpr):
+    """``(lo, hi)``: the rows no route writes that fill program ``g`` zeroes (``g`` in
+    ``[0, R - 1 + Z)``): ranges ``0..E-1`` are the experts' padding when A > 1, the tail
+    past the (padded) total is split over the last Z programs."""
+    ce = tl.arange(0, BLOCK_E)
+    if SMALL:
+        total, _ = count_mask(mask_ptr, T, E, stride_m, 0, ce, CHUNK_T)
+    else:
+        total = tl.load(total_ptr + ce, mask=ce < E, other=0)
+    start, padded = expert_starts(total, A)
+    ranges = tl.where(A > 1, E, 0)  # padded maps: one range per expert before the tail
+    if g < ranges:
+        lo = tl.sum(tl.where(ce == g, start + total, 0), axis=0)
+        hi = tl.sum(tl.where(ce == g, start + padded, 0), axis=0)
+    else:
+        lo, hi = _tail_share(tl.minimum(tl.sum(padded, axis=0), N), N, g - ranges, Z)
+    return lo, hi

@@ -8,12 +8,18 @@ A program reads one ``GROUPS * BS`` chunk of one token's high-precision row once
 quantizes it with the same code as ``qmoe.quantize`` (``quantize_tile``: one scale per
 block, or a given per-tensor scale) and writes the fp8 bits and the scale blocks to every
 output row of the token's routes. fp8 goes through ``uint8`` so the interpreter runs it.
+
+``quantize_permute_mask_kernel`` takes a ``[T, E]`` mask instead of a map (E experts, A
+the padding alignment): each token program builds its own map row first, as
+``permute_mask_kernel`` does, and the programs past T zero the unwritten rows from the
+experts' totals.
 """
 
 import triton
 import triton.language as tl
 
-from qmoe.ops._kernels.permute import zero_fill_rows
+from qmoe.ops._kernels.permute import zero_fill_rows, zero_rows
+from qmoe.ops._kernels.permute_mask import build_map_row, unwritten_range
 from qmoe.tensors._kernels.quantize import quantize_tile
 
 
@@ -60,24 +66,28 @@ def quantize_permute_kernel(
             zero_fill_rows(pid - T, fill_ptr, R, Z, N, q_ptr, H, cols, cols < H, s_ptr, NB,
                            blocks, blocks < NB, pp_ptr, pid_g == 0, SCALE_MODE != 3, HAS_P)
     else:
+        t = pid.to(tl.int64)
+        x = tl.load(x_ptr + t * stride_x + cols[None, :, :], mask=(cols < H)[None, :, :],
+                    other=0.0)
         _quantize_scatter_token(
-            pid.to(tl.int64), x_ptr, q_ptr, s_ptr, map_ptr, p_ptr, pp_ptr, written_ptr, N, H,
-            NB, S, stride_x, stride_p, blocks, cols, FP8_MAX, EMAX_ELEM, EPS, SCALE_MODE, MB,
+            t, x, q_ptr, s_ptr, map_ptr, p_ptr, pp_ptr, written_ptr, N, H,
+            NB, S, stride_p, blocks, cols, FP8_MAX, EMAX_ELEM, EPS, SCALE_MODE, MB,
             BIAS, HW_CAST, HAS_P, not HAS_FILL, KB, BS, GROUPS)
 
 
 @triton.jit
 def _quantize_scatter_token(
-    t, x_ptr, q_ptr, s_ptr, map_ptr, p_ptr, pp_ptr, written_ptr, N, H, NB, S, stride_x,
-    stride_p, blocks, cols, FP8_MAX: tl.constexpr, EMAX_ELEM: tl.constexpr,
-    EPS: tl.constexpr, SCALE_MODE: tl.constexpr, MB: tl.constexpr, BIAS: tl.constexpr,
-    HW_CAST: tl.constexpr, HAS_P: tl.constexpr, FLAGS: tl.constexpr, KB: tl.constexpr,
-    BS: tl.constexpr, GROUPS: tl.constexpr,
+    t, x, q_ptr, s_ptr, map_ptr, p_ptr, pp_ptr, written_ptr, N, H, NB, S, stride_p, blocks,
+    cols, FP8_MAX: tl.constexpr, EMAX_ELEM: tl.constexpr, EPS: tl.constexpr,
+    SCALE_MODE: tl.constexpr, MB: tl.constexpr, BIAS: tl.constexpr, HW_CAST: tl.constexpr,
+    HAS_P: tl.constexpr, FLAGS: tl.constexpr, KB: tl.constexpr, BS: tl.constexpr,
+    GROUPS: tl.constexpr,
 ):
-    """Token t's share of ``quantize_permute_kernel`` (FLAGS: mark rows in ``written``)."""
+    """Token t's share of ``quantize_permute_kernel``: its chunk ``x`` ``(1, GROUPS, BS)``
+    (loaded by the caller) quantized and stored at the rows of its map row (FLAGS: mark
+    them in ``written``)."""
     pid_g = tl.program_id(1)
     mask = (cols < H)[None, :, :]  # (1, GROUPS, BS)
-    x = tl.load(x_ptr + t * stride_x + cols[None, :, :], mask=mask, other=0.0)
     q, stored = quantize_tile(x.to(tl.float32), s_ptr, FP8_MAX, EMAX_ELEM, EPS, SCALE_MODE,
                               MB, BIAS, HW_CAST)
     smask = (blocks < NB)[None, :]  # (1, GROUPS)
@@ -104,3 +114,64 @@ def _quantize_scatter_token(
             if HAS_P:
                 c = tl.load(mrow + S + sl, mask=keep, other=0)
                 tl.store(pp_ptr + d64, tl.load(p_ptr + t * stride_p + c, mask=keep), mask=keep)
+
+
+@triton.jit
+def quantize_permute_mask_kernel(
+    x_ptr,  # (T, H) fp32 / bf16 / fp16, row stride stride_x
+    q_ptr,  # (N, H) uint8 out: fp8 bits of the permuted rows, contiguous
+    s_ptr,  # (N, NB) fp32 or uint8 (e8m0) out; () fp32 in for SCALE_GIVEN
+    mask_ptr,  # (T, E) uint8 / int32 / int64, nonzero = routed, row stride stride_m
+    before_ptr,  # (cdiv(T, BLOCK_T), E) int32: tokens of earlier blocks (unless SMALL)
+    total_ptr,  # (E,) int32: tokens per expert (unless SMALL)
+    map_ptr,  # (T, 2E+1) int32 out: the row_id_map
+    p_ptr,  # (T, E) float probs, row stride stride_p (read only if HAS_P)
+    pp_ptr,  # (N,) probs dtype out: permuted probs (written only if HAS_P)
+    T,
+    N,
+    H,
+    NB,
+    E,
+    A,
+    Z,
+    stride_x,
+    stride_m,
+    stride_p,
+    FP8_MAX: tl.constexpr,
+    EMAX_ELEM: tl.constexpr,
+    EPS: tl.constexpr,
+    SCALE_MODE: tl.constexpr,
+    MB: tl.constexpr,
+    BIAS: tl.constexpr,
+    HW_CAST: tl.constexpr,
+    HAS_P: tl.constexpr,
+    SMALL: tl.constexpr,  # count the whole mask in every program (no count/scan launches)
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    CHUNK_T: tl.constexpr,
+    BS: tl.constexpr,
+    GROUPS: tl.constexpr,
+    KB: tl.constexpr,
+):
+    """Grid ``(T + R - 1 + Z, cdiv(NB, GROUPS))``, R as in ``permute_mask_kernel``:
+    programs ``t < T`` build token t's map row, then quantize and scatter its chunk;
+    the others zero the rows no route writes (bits, scale blocks, probs)."""
+    pid = tl.program_id(0)
+    pid_g = tl.program_id(1)
+    blocks = pid_g * GROUPS + tl.arange(0, GROUPS)  # (GROUPS,)
+    cols = blocks[:, None] * BS + tl.arange(0, BS)[None, :]  # (GROUPS, BS)
+    if pid < T:
+        t = pid.to(tl.int64)
+        x = tl.load(x_ptr + t * stride_x + cols[None, :, :], mask=(cols < H)[None, :, :],
+                    other=0.0)  # in flight during the map row's work
+        build_map_row(pid, mask_ptr, before_ptr, total_ptr, map_ptr, T, N, E, A, stride_m,
+                      SMALL, BLOCK_T, BLOCK_E, CHUNK_T)
+        _quantize_scatter_token(
+            t, x, q_ptr, s_ptr, map_ptr, p_ptr, pp_ptr, None, N, H, NB, E, stride_p, blocks,
+            cols, FP8_MAX, EMAX_ELEM, EPS, SCALE_MODE, MB, BIAS, HW_CAST, HAS_P, False, KB, BS,
+            GROUPS)
+    else:
+        lo, hi = unwritten_range(pid - T, mask_ptr, total_ptr, T, N, E, A, Z, stride_m, SMALL,
+                                 BLOCK_E, CHUNK_T)
+        zero_rows(lo, hi, N, q_ptr, H, cols, cols < H, s_ptr, NB, blocks, blocks < NB, pp_ptr,
+                  pid_g == 0, SCALE_MODE != 3, HAS_P)
