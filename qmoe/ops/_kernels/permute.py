@@ -152,27 +152,44 @@ def _scatter_token(t, x, out_ptr, map_ptr, w_ptr, written_ptr, p_ptr, pp_ptr, si
         else:
             d = tl.load(mrow + sl, mask=sl < n, other=-1).to(tl.int64)
         smask = (sl < n) & (d >= 0) & (d < N)  # a row outside [0, N) is never written
-        if HAS_W:
+        if HAS_W or HAS_P:
             c = tl.load(mrow + S + sl, mask=smask, other=0)
-            w = tl.load(w_ptr + t * stride_w + c, mask=smask, other=0.0).to(tl.float32)
-            y = (x.to(tl.float32)[None, :] * w[:, None]).to(out_ptr.dtype.element_ty)
         else:
-            y = tl.broadcast_to(x[None, :], (KB, BLOCK_H))
-        tl.store(out_ptr + d[:, None] * H + cols[None, :], y, mask=smask[:, None] & hmask[None, :])
-        if tl.program_id(1) == 0:
-            if FLAGS:
-                tl.store(written_ptr + d, tl.full((KB,), 1, dtype=tl.int8), mask=smask)
-            if HAS_P:
-                pc = tl.load(mrow + S + sl, mask=smask, other=0)
-                pv = tl.load(p_ptr + t * stride_p + pc, mask=smask, other=0.0)
-                tl.store(pp_ptr + d, pv, mask=smask)
-            if HAS_SIDE:
-                sc = tl.arange(0, BLOCK_S)
-                scm = sc < NS
-                sv = tl.load(side_ptr + t * stride_side + sc, mask=scm)
-                tl.store(side_out_ptr + d[:, None] * NS + sc[None, :],
-                         tl.broadcast_to(sv[None, :], (KB, BLOCK_S)),
-                         mask=smask[:, None] & scm[None, :])
+            c = tl.zeros((KB,), dtype=tl.int32)
+        store_routes(t, x, d, c, smask, out_ptr, w_ptr, written_ptr, p_ptr, pp_ptr, side_ptr,
+                     side_out_ptr, NS, H, cols, hmask, stride_w, stride_p, stride_side, HAS_W,
+                     HAS_P, HAS_SIDE, FLAGS, KB, BLOCK_H, BLOCK_S)
+
+
+@triton.jit
+def store_routes(t, x, d, c, smask, out_ptr, w_ptr, written_ptr, p_ptr, pp_ptr, side_ptr,
+                 side_out_ptr, NS, H, cols, hmask, stride_w, stride_p, stride_side,
+                 HAS_W: tl.constexpr, HAS_P: tl.constexpr, HAS_SIDE: tl.constexpr,
+                 FLAGS: tl.constexpr, KB: tl.constexpr, BLOCK_H: tl.constexpr,
+                 BLOCK_S: tl.constexpr):
+    """Write token t's row ``x`` (over ``cols``) to the KB output rows ``d`` (int64) where
+    ``smask``, with its weight / probs from column ``c`` of its weights / probs row, its
+    side row, and (FLAGS) the rows' ``written`` flags (arguments as in
+    ``permute_scatter_kernel``)."""
+    if HAS_W:
+        w = tl.load(w_ptr + t * stride_w + c, mask=smask, other=0.0).to(tl.float32)
+        y = (x.to(tl.float32)[None, :] * w[:, None]).to(out_ptr.dtype.element_ty)
+    else:
+        y = tl.broadcast_to(x[None, :], (KB, BLOCK_H))
+    tl.store(out_ptr + d[:, None] * H + cols[None, :], y, mask=smask[:, None] & hmask[None, :])
+    if tl.program_id(1) == 0:
+        if FLAGS:
+            tl.store(written_ptr + d, tl.full((KB,), 1, dtype=tl.int8), mask=smask)
+        if HAS_P:
+            pv = tl.load(p_ptr + t * stride_p + c, mask=smask, other=0.0)
+            tl.store(pp_ptr + d, pv, mask=smask)
+        if HAS_SIDE:
+            sc = tl.arange(0, BLOCK_S)
+            scm = sc < NS
+            sv = tl.load(side_ptr + t * stride_side + sc, mask=scm)
+            tl.store(side_out_ptr + d[:, None] * NS + sc[None, :],
+                     tl.broadcast_to(sv[None, :], (KB, BLOCK_S)),
+                     mask=smask[:, None] & scm[None, :])
 
 
 @triton.jit

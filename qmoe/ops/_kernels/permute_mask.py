@@ -8,15 +8,16 @@ next_pow2(E), A the padding alignment, Z programs sharing the tail of unwritten 
 The map's row of token t needs only each expert's total, the tokens of earlier blocks
 (``mask_block_counts_kernel`` + ``block_scan_kernel``, or counted by the program itself
 when SMALL) and the rows of t's own block before it, so every token program builds its
-own map row, then moves its data row as ``permute_scatter_kernel`` does. The map row's
-scans overlap the other programs' copies, and the data row is loaded first, so its read
-is in flight during them. Programs ``t >= T`` zero the rows no route writes.
+own map row, stores it, and moves its data row to the rows it holds in registers (no read
+back of the stored row). The map row's scans overlap the other programs' copies, and the
+data row is loaded first, so its read is in flight during them. Programs ``t >= T`` zero
+the rows no route writes.
 """
 
 import triton
 import triton.language as tl
 
-from qmoe.ops._kernels.permute import _scatter_token, _tail_share, zero_rows
+from qmoe.ops._kernels.permute import _tail_share, store_routes, zero_rows
 from qmoe.ops._kernels.row_id_map import count_mask, expert_starts, mask_row, write_map_row
 
 
@@ -55,19 +56,20 @@ def permute_mask_kernel(
 ):
     """Grid ``(T + R - 1 + Z, cdiv(H, BLOCK_H))`` with R = E + 1 ranges of unwritten rows
     when A > 1 (each expert's padding, then the tail), else R = 1 (the tail). Every
-    column-block program of a token writes the same map row (a benign duplicate) and reads
-    it back after a barrier."""
+    column-block program of a token writes the same map row (a benign duplicate)."""
     pid = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = cols < H
     if pid < T:
         t = pid.to(tl.int64)
         x = tl.load(inp_ptr + t * stride_in + cols, mask=hmask)  # in flight meanwhile
-        build_map_row(pid, mask_ptr, before_ptr, total_ptr, map_ptr, T, N, E, A, stride_m,
-                      SMALL, BLOCK_T, BLOCK_E, CHUNK_T)
-        _scatter_token(t, x, out_ptr, map_ptr, None, None, p_ptr, pp_ptr, side_ptr,
-                       side_out_ptr, N, E, NS, H, cols, hmask, 0, stride_p, stride_side,
-                       False, HAS_P, HAS_SIDE, False, KB, BLOCK_H, BLOCK_S)
+        keep, slot, run, n = build_map_row(pid, mask_ptr, before_ptr, total_ptr, map_ptr, T,
+                                           N, E, A, stride_m, SMALL, BLOCK_T, BLOCK_E, CHUNK_T)
+        for s0 in range(0, n, KB):  # the rows come from registers, not the stored map row
+            d, c, smask = routes_at(keep, slot, run, s0, n, BLOCK_E, KB)
+            store_routes(t, x, d, c, smask, out_ptr, None, None, p_ptr, pp_ptr, side_ptr,
+                         side_out_ptr, NS, H, cols, hmask, 0, stride_p, stride_side, False,
+                         HAS_P, HAS_SIDE, False, KB, BLOCK_H, BLOCK_S)
     else:
         lo, hi = unwritten_range(pid - T, mask_ptr, total_ptr, T, N, E, A, Z, stride_m, SMALL,
                                  BLOCK_E, CHUNK_T)
@@ -81,8 +83,11 @@ def permute_mask_kernel(
 def build_map_row(pid, mask_ptr, before_ptr, total_ptr, map_ptr, T, N, E, A, stride_m,
                   SMALL: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
                   CHUNK_T: tl.constexpr):
-    """Store token ``pid``'s map row (``pid < T``; arguments as in ``permute_mask_kernel``),
-    then pass a barrier, so the whole program may read the row back."""
+    """Store token ``pid``'s map row (``pid < T``; arguments as in ``permute_mask_kernel``)
+    and return it in registers: ``(keep, slot, run, n)``, ``[BLOCK_E]`` vectors over the
+    experts (routed and kept; position among the kept routes; output row) and the count
+    of kept routes. The program never reads the stored row back (no barrier, no second
+    memory round trip before its stores)."""
     ce = tl.arange(0, BLOCK_E)
     emask = ce < E
     if SMALL:
@@ -98,9 +103,22 @@ def build_map_row(pid, mask_ptr, before_ptr, total_ptr, map_ptr, T, N, E, A, str
     keep = (mask_row(mask_ptr, pid, T, E, stride_m, ce) != 0) & (run < N)
     ki = keep.to(tl.int32)
     slot = tl.cumsum(ki, axis=0) - ki  # position among the token's kept routes
+    n = tl.sum(ki, axis=0)
     write_map_row(map_ptr + pid.to(tl.int64) * (2 * E + 1), E, ce, emask, slot, run, ce, keep,
-                  tl.sum(ki, axis=0), tl.full((BLOCK_E,), -1, dtype=tl.int32))
-    tl.debug_barrier()  # the map row's stores are visible to all of the program
+                  n, tl.full((BLOCK_E,), -1, dtype=tl.int32))
+    return keep, slot, run, n
+
+
+@triton.jit
+def routes_at(keep, slot, run, s0, n, BLOCK_E: tl.constexpr, KB: tl.constexpr):
+    """``(rows int64, experts int32, mask)``, ``[KB]`` each: the token's kept routes
+    ``s0 .. s0+KB-1`` (in slot order, as its map row lists them), picked out of the
+    ``[BLOCK_E]`` vectors of ``build_map_row`` (one masked sum across the experts)."""
+    sl = s0 + tl.arange(0, KB)
+    hit = keep[None, :] & (slot[None, :] == sl[:, None])  # (KB, BLOCK_E)
+    rows = tl.sum(tl.where(hit, run[None, :], 0), axis=1)
+    experts = tl.sum(tl.where(hit, tl.arange(0, BLOCK_E)[None, :], 0), axis=1)
+    return rows.to(tl.int64), experts, sl < n
 
 
 @triton.jit

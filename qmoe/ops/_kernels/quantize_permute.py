@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from qmoe.ops._kernels.permute import zero_fill_rows, zero_rows
-from qmoe.ops._kernels.permute_mask import build_map_row, unwritten_range
+from qmoe.ops._kernels.permute_mask import build_map_row, routes_at, unwritten_range
 from qmoe.tensors._kernels.quantize import quantize_tile
 
 
@@ -86,11 +86,8 @@ def _quantize_scatter_token(
     """Token t's share of ``quantize_permute_kernel``: its chunk ``x`` ``(1, GROUPS, BS)``
     (loaded by the caller) quantized and stored at the rows of its map row (FLAGS: mark
     them in ``written``)."""
-    pid_g = tl.program_id(1)
-    mask = (cols < H)[None, :, :]  # (1, GROUPS, BS)
     q, stored = quantize_tile(x.to(tl.float32), s_ptr, FP8_MAX, EMAX_ELEM, EPS, SCALE_MODE,
                               MB, BIAS, HW_CAST)
-    smask = (blocks < NB)[None, :]  # (1, GROUPS)
     mrow = map_ptr + t * (2 * S + 1)
     sl0 = tl.arange(0, KB)
     d0 = tl.load(mrow + sl0, mask=sl0 < S, other=-1)  # loads with the row, not after it
@@ -102,18 +99,35 @@ def _quantize_scatter_token(
         else:
             d = tl.load(mrow + sl, mask=sl < n, other=-1)
         keep = (sl < n) & (d >= 0) & (d < N)  # a row outside [0, N) is never written
-        d64 = d.to(tl.int64)
-        tl.store(q_ptr + d64[:, None, None] * H + cols[None, :, :],
-                 tl.broadcast_to(q, (KB, GROUPS, BS)), mask=keep[:, None, None] & mask)
-        if SCALE_MODE != 3:
-            tl.store(s_ptr + d64[:, None] * NB + blocks[None, :],
-                     tl.broadcast_to(stored, (KB, GROUPS)), mask=keep[:, None] & smask)
-        if pid_g == 0:
-            if FLAGS:
-                tl.store(written_ptr + d64, tl.full((KB,), 1, dtype=tl.int8), mask=keep)
-            if HAS_P:
-                c = tl.load(mrow + S + sl, mask=keep, other=0)
-                tl.store(pp_ptr + d64, tl.load(p_ptr + t * stride_p + c, mask=keep), mask=keep)
+        if HAS_P:
+            c = tl.load(mrow + S + sl, mask=keep, other=0)
+        else:
+            c = tl.zeros((KB,), dtype=tl.int32)
+        _store_quantized(t, q, stored, d.to(tl.int64), c, keep, q_ptr, s_ptr, p_ptr, pp_ptr,
+                         written_ptr, H, NB, stride_p, blocks, cols, SCALE_MODE, HAS_P, FLAGS,
+                         KB, BS, GROUPS)
+
+
+@triton.jit
+def _store_quantized(t, q, stored, d, c, keep, q_ptr, s_ptr, p_ptr, pp_ptr, written_ptr, H, NB,
+                     stride_p, blocks, cols, SCALE_MODE: tl.constexpr, HAS_P: tl.constexpr,
+                     FLAGS: tl.constexpr, KB: tl.constexpr, BS: tl.constexpr,
+                     GROUPS: tl.constexpr):
+    """Store token t's quantized chunk ``q`` ``(1, GROUPS, BS)`` and its scale blocks
+    ``stored`` to the KB rows ``d`` (int64) where ``keep``, its prob from column ``c``, and
+    (FLAGS) the rows' ``written`` flags."""
+    mask = (cols < H)[None, :, :]  # (1, GROUPS, BS)
+    smask = (blocks < NB)[None, :]  # (1, GROUPS)
+    tl.store(q_ptr + d[:, None, None] * H + cols[None, :, :],
+             tl.broadcast_to(q, (KB, GROUPS, BS)), mask=keep[:, None, None] & mask)
+    if SCALE_MODE != 3:
+        tl.store(s_ptr + d[:, None] * NB + blocks[None, :],
+                 tl.broadcast_to(stored, (KB, GROUPS)), mask=keep[:, None] & smask)
+    if tl.program_id(1) == 0:
+        if FLAGS:
+            tl.store(written_ptr + d, tl.full((KB,), 1, dtype=tl.int8), mask=keep)
+        if HAS_P:
+            tl.store(pp_ptr + d, tl.load(p_ptr + t * stride_p + c, mask=keep), mask=keep)
 
 
 @triton.jit
@@ -164,12 +178,15 @@ def quantize_permute_mask_kernel(
         t = pid.to(tl.int64)
         x = tl.load(x_ptr + t * stride_x + cols[None, :, :], mask=(cols < H)[None, :, :],
                     other=0.0)  # in flight during the map row's work
-        build_map_row(pid, mask_ptr, before_ptr, total_ptr, map_ptr, T, N, E, A, stride_m,
-                      SMALL, BLOCK_T, BLOCK_E, CHUNK_T)
-        _quantize_scatter_token(
-            t, x, q_ptr, s_ptr, map_ptr, p_ptr, pp_ptr, None, N, H, NB, E, stride_p, blocks,
-            cols, FP8_MAX, EMAX_ELEM, EPS, SCALE_MODE, MB, BIAS, HW_CAST, HAS_P, False, KB, BS,
-            GROUPS)
+        keep, slot, run, n = build_map_row(pid, mask_ptr, before_ptr, total_ptr, map_ptr, T,
+                                           N, E, A, stride_m, SMALL, BLOCK_T, BLOCK_E, CHUNK_T)
+        q, stored = quantize_tile(x.to(tl.float32), s_ptr, FP8_MAX, EMAX_ELEM, EPS,
+                                  SCALE_MODE, MB, BIAS, HW_CAST)
+        for s0 in range(0, n, KB):  # the rows come from registers, not the stored map row
+            d, c, keep_k = routes_at(keep, slot, run, s0, n, BLOCK_E, KB)
+            _store_quantized(t, q, stored, d, c, keep_k, q_ptr, s_ptr, p_ptr, pp_ptr, None, H,
+                             NB, stride_p, blocks, cols, SCALE_MODE, HAS_P, False, KB, BS,
+                             GROUPS)
     else:
         lo, hi = unwritten_range(pid - T, mask_ptr, total_ptr, T, N, E, A, Z, stride_m, SMALL,
                                  BLOCK_E, CHUNK_T)
