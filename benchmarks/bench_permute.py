@@ -72,7 +72,7 @@ def use_swept_map_tiling(path: str) -> None:
     print("map tilings:", best, file=sys.stderr)
 
 
-def run_config(name: str, copy_bw: float, dev: str = "cuda") -> list[dict]:
+def run_config(name: str, copy_bw: float, dev: str = "cuda", ops: str = "") -> list[dict]:
     rows = []
     t, h, e, k = CONFIGS[name]
     n = t * k
@@ -133,7 +133,10 @@ def run_config(name: str, copy_bw: float, dev: str = "cuda") -> list[dict]:
         cases[f"fused {rname}: quantize then permute"] = (
             lambda recipe=recipe: qmoe.moe_permute(qmoe.quantize(x, recipe), mask, n),
             fused_bytes)
+    keep = [o for o in ops.split(",") if o]
     for case, (fn, nbytes) in cases.items():
+        if keep and not any(o in case for o in keep):
+            continue
         ms_eager = median_ms(fn)
         ms = graph_median_ms(fn) or ms_eager
         gbs = nbytes / (ms * 1e-3) / 1e9
@@ -150,6 +153,8 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=None)
     p.add_argument("--configs", default=",".join(c for c in CONFIGS if c != "tiny"))
+    p.add_argument("--ops", default="",
+                   help="comma-separated substrings: time only the cases whose name holds one")
     p.add_argument("--cpu-smoke", action="store_true", help="run the 'tiny' config on CPU")
     p.add_argument("--map-tiling", default=None,
                    help="sweep_map.py JSON: build mask maps with each config's best tiling "
@@ -168,7 +173,7 @@ def main() -> None:
     copy_bw = copy_bandwidth_gbs()
     rows = []
     for name in a.configs.split(","):  # written after each config: a cut-off run keeps the rest
-        rows += run_config(name, copy_bw)
+        rows += run_config(name, copy_bw, ops=a.ops)
         torch.cuda.empty_cache()
         write_json(a.out, {"bench": "permute", "env": env_info(),
                            "copy_GB/s": round(copy_bw, 1), "results": rows})

@@ -4,9 +4,10 @@
 
 For each config: ``qmoe::permute_mask``'s kernels (counts, scan, fused map + scatter)
 replayed from a CUDA graph (median ms) for each count block (``--block-t``) x warps of the
-fused kernel (``--warps``), bf16 rows and FP8 (uint8) rows; next to them the two-step path
-(``make_row_id_map`` then the scatter) and the scatter alone on a prebuilt map, measured in
-the same run. % is of the measured copy bandwidth, bytes as in ``bench_permute.py``.
+fused kernel (``--warps``) x tokens per program (``--tokens``), bf16 rows and FP8 (uint8)
+rows; next to them the two-step path (``make_row_id_map`` then the scatter) and the
+scatter alone on a prebuilt map, measured in the same run. % is of the measured copy
+bandwidth, bytes as in ``bench_permute.py``.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def two_step(x, mask, n):
     return permute_rows(x, rid, n, fill=fill), rid
 
 
-def run_config(name: str, copy_bw: float, block_ts, warps) -> list[dict]:
+def run_config(name: str, copy_bw: float, block_ts, warps, tokens=(1,)) -> list[dict]:
     t, h, e, k = CONFIGS[name]
     n = t * k
     ids = torch.rand(t, e, device="cuda").argsort(dim=1)[:, :k]
@@ -50,10 +51,11 @@ def run_config(name: str, copy_bw: float, block_ts, warps) -> list[dict]:
         }
         for bt in block_ts:
             for nw in warps:
-                til = MapTiling(bt, default.num_warps, default.prefetch)
-                cases[f"fused bt={bt} warps={nw}"] = (
-                    lambda x=x, til=til, nw=nw: permute_mask_triton(x, mask, n, 1, tiling=til,
-                                                                    num_warps=nw))
+                for tp in tokens:
+                    til = MapTiling(bt, default.num_warps, default.prefetch)
+                    cases[f"fused bt={bt} warps={nw} tokens={tp}"] = (
+                        lambda x=x, til=til, nw=nw, tp=tp: permute_mask_triton(
+                            x, mask, n, 1, tiling=til, num_warps=nw, tokens=tp))
         for case, fn in cases.items():
             ms = graph_median_ms(fn)
             pct = 100 * nbytes / (ms * 1e-3) / 1e9 / copy_bw
@@ -69,6 +71,7 @@ def main() -> None:
     p.add_argument("--configs", default="dsv3,qwen3next,qwen3,mixtral,gptoss")
     p.add_argument("--block-t", default="8,16,32")
     p.add_argument("--warps", default="2,4,8")
+    p.add_argument("--tokens", default="1", help="tokens per program of the fused kernel")
     a = p.parse_args()
     if not torch.cuda.is_available():
         print("sweep_permute_mask: CUDA not available")
@@ -77,7 +80,8 @@ def main() -> None:
     rows = []
     for name in a.configs.split(","):
         rows += run_config(name, copy_bw, [int(v) for v in a.block_t.split(",")],
-                           [int(v) for v in a.warps.split(",")])
+                           [int(v) for v in a.warps.split(",")],
+                           [int(v) for v in a.tokens.split(",")])
         write_json(a.out, {"bench": "sweep_permute_mask", "env": env_info(),
                            "copy_GB/s": round(copy_bw, 1), "results": rows})
 

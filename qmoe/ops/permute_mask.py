@@ -52,13 +52,15 @@ def permute_mask_triton(
     one_launch: bool | None = None,
     tiling: MapTiling | None = None,
     num_warps: int | None = None,
+    tokens: int | None = None,
     out: torch.Tensor | None = None,
 ):
     """``(out [N, H], permuted_probs [N] or empty, side_out [N, NS] or empty, row_id_map
     [T, 2E+1] int32)`` of ``x [T, H]`` by ``mask [T, E]`` (CUDA, or CPU under the
     interpreter), as ``make_row_id_map`` then ``permute_rows``. ``one_launch`` forces the
     SMALL form on or off; ``tiling`` overrides ``fused_map_tiling`` (its block and warps
-    set the count pass), ``num_warps`` the fused kernel's ``FUSED_WARPS``; ``out``
+    set the count pass), ``num_warps`` the fused kernel's ``FUSED_WARPS``, ``tokens`` its
+    tokens per program (default 1; must divide the count block); ``out``
     (tests: poisoned) receives the rows. No host sync."""
     from qmoe.ops._kernels.permute_mask import permute_mask_kernel
 
@@ -89,13 +91,16 @@ def permute_mask_triton(
     ranges = e if align_size > 1 else 0
     z = tail_programs(n)
     has_p, has_s = probs is not None, side is not None
-    permute_mask_kernel[(t + ranges + z, cdiv(max(h, 1), bh))](
+    tokens = tokens or 1
+    if not small and bt % tokens:
+        raise ValueError(f"tokens per program ({tokens}) must divide the count block ({bt})")
+    permute_mask_kernel[(cdiv(t, tokens) + ranges + z, cdiv(max(h, 1), bh))](
         x, out, m, before, total, rid, probs, pp if has_p else None, side,
         so if has_s else None, t, n, h, e, ns, max(align_size, 1), z, x.stride(0),
         m.stride(0), probs.stride(0) if has_p else None, side.stride(0) if has_s else None,
         HAS_P=has_p, HAS_SIDE=has_s, SMALL=small, BLOCK_T=bt, BLOCK_E=be,
         CHUNK_T=count_chunk(t, be, nw), KB=kb, BLOCK_H=bh,
-        BLOCK_S=next_pow2(max(ns, 1)), num_warps=nw,
+        BLOCK_S=next_pow2(max(ns, 1)), TOKENS=tokens, num_warps=nw,
     )
     return out, pp, so, rid
 

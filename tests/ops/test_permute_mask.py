@@ -53,13 +53,15 @@ def test_kernel_matches_two_step_path(kdevice, t, h, e, k, kind, align, one_laun
     side = torch.randn(t, 5, device=kdevice)
     # several count blocks (tokens before t inside t's block) with small inputs
     tilings = [None] if one_launch else [None, MapTiling(4, 1, 2), MapTiling(1, 1, 1)]
+    tokens = [1, 4, 2] if one_launch else [2, 4, 1]  # tokens per program (divides blocks)
     inputs = ((mask, None, None), (mask.to(torch.int32), probs, side),
               (mask, probs, side.view(torch.uint8)[:, :7]))
     for i, n in enumerate((routed, routed // 2, routed + 70)):
         m, p, sd = inputs[i]
         out = torch.full((n, h), float("nan"), device=kdevice)
         got = permute_mask_triton(x, m, n, align, p, sd, one_launch=one_launch,
-                                  tiling=tilings[i % len(tilings)], out=out)
+                                  tiling=tilings[i % len(tilings)], tokens=tokens[i],
+                                  out=out)
         for g, w in zip(got, _want(x, mask, n, align, p, sd)):
             if w is not None:
                 assert_same_bits(g.cpu(), w)

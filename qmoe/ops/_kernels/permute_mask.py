@@ -7,11 +7,12 @@ next_pow2(E), A the padding alignment, Z programs sharing the tail of unwritten 
 
 The map's row of token t needs only each expert's total, the tokens of earlier blocks
 (``mask_block_counts_kernel`` + ``block_scan_kernel``, or counted by the program itself
-when SMALL) and the rows of t's own block before it, so every token program builds its
-own map row, stores it, and moves its data row to the rows it holds in registers (no read
-back of the stored row). The map row's scans overlap the other programs' copies, and the
-data row is loaded first, so its read is in flight during them. Programs ``t >= T`` zero
-the rows no route writes.
+when SMALL) and the rows of t's own block before it, so every program builds the map rows
+of its TOKENS tokens (a running count per expert from one to the next), stores them, and
+moves each data row to the rows it holds in registers (no read back of the stored row).
+The map rows' scans overlap the other programs' copies, and the data rows are loaded
+first, so their reads are in flight during them. The programs after the token programs
+zero the rows no route writes.
 """
 
 import triton
@@ -53,26 +54,37 @@ def permute_mask_kernel(
     KB: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    TOKENS: tl.constexpr,  # tokens per program (divides BLOCK_T unless SMALL)
 ):
-    """Grid ``(T + R - 1 + Z, cdiv(H, BLOCK_H))`` with R = E + 1 ranges of unwritten rows
-    when A > 1 (each expert's padding, then the tail), else R = 1 (the tail). Every
-    column-block program of a token writes the same map row (a benign duplicate)."""
+    """Grid ``(cdiv(T, TOKENS) + R - 1 + Z, cdiv(H, BLOCK_H))`` with R = E + 1 ranges of
+    unwritten rows when A > 1 (each expert's padding, then the tail), else R = 1 (the
+    tail). Every column-block program of a token writes the same map row (a benign
+    duplicate)."""
     pid = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = cols < H
-    if pid < T:
-        t = pid.to(tl.int64)
-        x = tl.load(inp_ptr + t * stride_in + cols, mask=hmask)  # in flight meanwhile
-        keep, slot, run, n = build_map_row(pid, mask_ptr, before_ptr, total_ptr, map_ptr, T,
-                                           N, E, A, stride_m, SMALL, BLOCK_T, BLOCK_E, CHUNK_T)
-        for s0 in range(0, n, KB):  # the rows come from registers, not the stored map row
-            d, c, smask = routes_at(keep, slot, run, s0, n, BLOCK_E, KB)
-            store_routes(t, x, d, c, smask, out_ptr, None, None, p_ptr, pp_ptr, side_ptr,
-                         side_out_ptr, NS, H, cols, hmask, 0, stride_p, stride_side, False,
-                         HAS_P, HAS_SIDE, False, KB, BLOCK_H, BLOCK_S)
+    progs = tl.cdiv(T, TOKENS)
+    if pid < progs:
+        t0 = pid * TOKENS
+        xs = ()  # the rows load first: in flight during the map work
+        for i in tl.static_range(TOKENS):
+            t = (t0 + i).to(tl.int64)
+            width = tl.where(t < T, H, 0)  # past T: nothing to load
+            xs = xs + (tl.load(inp_ptr + t * stride_in + cols, mask=cols < width),)
+        run = next_rows(t0, mask_ptr, before_ptr, total_ptr, T, E, A, stride_m, SMALL, BLOCK_T,
+                        BLOCK_E, CHUNK_T)
+        for i in tl.static_range(TOKENS):
+            t = t0 + i
+            keep, slot, n, mi = map_token(t, run, mask_ptr, map_ptr, T, N, E, stride_m, BLOCK_E)
+            for s0 in range(0, n, KB):  # the rows come from registers, not the stored map
+                d, c, smask = routes_at(keep, slot, run, s0, n, BLOCK_E, KB)
+                store_routes(t.to(tl.int64), xs[i], d, c, smask, out_ptr, None, None, p_ptr,
+                             pp_ptr, side_ptr, side_out_ptr, NS, H, cols, hmask, 0, stride_p,
+                             stride_side, False, HAS_P, HAS_SIDE, False, KB, BLOCK_H, BLOCK_S)
+            run += mi
     else:
-        lo, hi = unwritten_range(pid - T, mask_ptr, total_ptr, T, N, E, A, Z, stride_m, SMALL,
-                                 BLOCK_E, CHUNK_T)
+        lo, hi = unwritten_range(pid - progs, mask_ptr, total_ptr, T, N, E, A, Z, stride_m,
+                                 SMALL, BLOCK_E, CHUNK_T)
         sc = tl.arange(0, BLOCK_S)
         first = tl.program_id(1) == 0
         zero_rows(lo, hi, N, out_ptr, H, cols, hmask, side_out_ptr, NS, sc,
@@ -80,40 +92,48 @@ def permute_mask_kernel(
 
 
 @triton.jit
-def build_map_row(pid, mask_ptr, before_ptr, total_ptr, map_ptr, T, N, E, A, stride_m,
-                  SMALL: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-                  CHUNK_T: tl.constexpr):
-    """Store token ``pid``'s map row (``pid < T``; arguments as in ``permute_mask_kernel``)
-    and return it in registers: ``(keep, slot, run, n)``, ``[BLOCK_E]`` vectors over the
-    experts (routed and kept; position among the kept routes; output row) and the count
-    of kept routes. The program never reads the stored row back (no barrier, no second
-    memory round trip before its stores)."""
+def next_rows(t0, mask_ptr, before_ptr, total_ptr, T, E, A, stride_m, SMALL: tl.constexpr,
+              BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK_T: tl.constexpr):
+    """``[BLOCK_E]`` int32: each expert's output row for token ``t0`` (its start plus its
+    tokens before t0; arguments as in ``permute_mask_kernel``)."""
     ce = tl.arange(0, BLOCK_E)
     emask = ce < E
     if SMALL:
-        total, before = count_mask(mask_ptr, T, E, stride_m, pid, ce, CHUNK_T)
+        total, before = count_mask(mask_ptr, T, E, stride_m, t0, ce, CHUNK_T)
     else:
-        blk = pid // BLOCK_T
+        blk = t0 // BLOCK_T
         total = tl.load(total_ptr + ce, mask=emask, other=0)
         before = tl.load(before_ptr + blk.to(tl.int64) * E + ce, mask=emask, other=0)
-        for i in tl.static_range(BLOCK_T - 1):  # the block's rows before t (rows < pid)
-            before += mask_row(mask_ptr, blk * BLOCK_T + i, pid, E, stride_m, ce)
-    start, padded = expert_starts(total, A)
-    run = start + before  # each expert's row for this token
-    keep = (mask_row(mask_ptr, pid, T, E, stride_m, ce) != 0) & (run < N)
+        for i in tl.static_range(BLOCK_T - 1):  # the block's rows before t0
+            before += mask_row(mask_ptr, blk * BLOCK_T + i, t0, E, stride_m, ce)
+    start, _ = expert_starts(total, A)
+    return start + before
+
+
+@triton.jit
+def map_token(t, run, mask_ptr, map_ptr, T, N, E, stride_m, BLOCK_E: tl.constexpr):
+    """Store token t's map row (if t < T) from ``run`` (``next_rows``) and return it in
+    registers: ``(keep, slot, n, mi)``: ``[BLOCK_E]`` vectors over the experts (routed and
+    kept; position among the kept routes), the count of kept routes, and the token's mask
+    row (0/1, zero past T: add it to ``run`` for the next token). The program never reads
+    the stored row back (no barrier, no second memory round trip before its stores)."""
+    ce = tl.arange(0, BLOCK_E)
+    mi = mask_row(mask_ptr, t, T, E, stride_m, ce)
+    keep = (mi != 0) & (run < N)
     ki = keep.to(tl.int32)
     slot = tl.cumsum(ki, axis=0) - ki  # position among the token's kept routes
     n = tl.sum(ki, axis=0)
-    write_map_row(map_ptr + pid.to(tl.int64) * (2 * E + 1), E, ce, emask, slot, run, ce, keep,
-                  n, tl.full((BLOCK_E,), -1, dtype=tl.int32))
-    return keep, slot, run, n
+    if t < T:
+        write_map_row(map_ptr + t.to(tl.int64) * (2 * E + 1), E, ce, ce < E, slot, run, ce,
+                      keep, n, tl.full((BLOCK_E,), -1, dtype=tl.int32))
+    return keep, slot, n, mi
 
 
 @triton.jit
 def routes_at(keep, slot, run, s0, n, BLOCK_E: tl.constexpr, KB: tl.constexpr):
     """``(rows int64, experts int32, mask)``, ``[KB]`` each: the token's kept routes
     ``s0 .. s0+KB-1`` (in slot order, as its map row lists them), picked out of the
-    ``[BLOCK_E]`` vectors of ``build_map_row`` (one masked sum across the experts)."""
+    ``[BLOCK_E]`` vectors of ``map_token`` (one masked sum across the experts)."""
     sl = s0 + tl.arange(0, KB)
     hit = keep[None, :] & (slot[None, :] == sl[:, None])  # (KB, BLOCK_E)
     rows = tl.sum(tl.where(hit, run[None, :], 0), axis=1)

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from qmoe.ops._kernels.permute import zero_fill_rows, zero_rows
-from qmoe.ops._kernels.permute_mask import build_map_row, routes_at, unwritten_range
+from qmoe.ops._kernels.permute_mask import map_token, next_rows, routes_at, unwritten_range
 from qmoe.tensors._kernels.quantize import quantize_tile
 
 
@@ -178,8 +178,9 @@ def quantize_permute_mask_kernel(
         t = pid.to(tl.int64)
         x = tl.load(x_ptr + t * stride_x + cols[None, :, :], mask=(cols < H)[None, :, :],
                     other=0.0)  # in flight during the map row's work
-        keep, slot, run, n = build_map_row(pid, mask_ptr, before_ptr, total_ptr, map_ptr, T,
-                                           N, E, A, stride_m, SMALL, BLOCK_T, BLOCK_E, CHUNK_T)
+        run = next_rows(pid, mask_ptr, before_ptr, total_ptr, T, E, A, stride_m, SMALL,
+                        BLOCK_T, BLOCK_E, CHUNK_T)
+        keep, slot, n, _ = map_token(pid, run, mask_ptr, map_ptr, T, N, E, stride_m, BLOCK_E)
         q, stored = quantize_tile(x.to(tl.float32), s_ptr, FP8_MAX, EMAX_ELEM, EPS,
                                   SCALE_MODE, MB, BIAS, HW_CAST)
         for s0 in range(0, n, KB):  # the rows come from registers, not the stored map row
