@@ -65,7 +65,7 @@ def _launches():
     from qmoe.ops import backend as B
     from qmoe.ops.fp8 import _bits, _layout
     from qmoe.ops.permute_mask import permute_mask_triton
-    from qmoe.ops.quantize_permute import quantize_permute_triton
+    from qmoe.ops.quantize_permute import quantize_permute_mask_triton, quantize_permute_triton
     from qmoe.ops.row_id_map import (
         MapTiling,
         _index_rows_triton,
@@ -106,6 +106,7 @@ def _launches():
             permute_mask_triton(x, mask, n, align, one_launch=one)
             permute_mask_triton(x.view(torch.uint8), mask, n, align, probs, side,
                                 one_launch=one)
+    permute_mask_triton(x.view(torch.uint8), mask, n, 1, tokens=4)
     y = torch.randn(n, h, dtype=torch.bfloat16)
     for w in (None, probs):
         B.unpermute_rows(y, rid, w, use_triton=True)
@@ -120,9 +121,13 @@ def _launches():
         quantize_rows_triton(x, bs, torch.float8_e4m3fn, mode)
         for f in (None, fill):
             quantize_permute_triton(x, rid, probs, n, bs, torch.float8_e4m3fn, mode, None, f)
+        for align, one in ((1, False), (16, True)):
+            quantize_permute_mask_triton(x, mask, n, align, probs, bs, torch.float8_e4m3fn, mode,
+                                         None, one_launch=one)
     given = torch.tensor(0.01)
     quantize_rows_triton(x, 512, torch.float8_e5m2, "given", given)
     quantize_permute_triton(x, rid, None, n, 0, torch.float8_e5m2, "given", given, fill)
+    quantize_permute_mask_triton(x, mask, n, 1, None, 0, torch.float8_e5m2, "given", given)
     return seen
 
 
