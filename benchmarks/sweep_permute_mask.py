@@ -25,6 +25,10 @@ from common import copy_bandwidth_gbs, env_info, graph_median_ms, write_json  # 
 
 from qmoe.ops.backend import permute_rows  # noqa: E402
 from qmoe.ops.permute_mask import fused_map_tiling, permute_mask_triton  # noqa: E402
+from qmoe.ops.quantize_permute import (  # noqa: E402
+    quantize_permute_mask_triton,
+    quantize_permute_triton,
+)
 from qmoe.ops.row_id_map import MapTiling, make_row_id_map  # noqa: E402
 
 
@@ -33,7 +37,8 @@ def two_step(x, mask, n):
     return permute_rows(x, rid, n, fill=fill), rid
 
 
-def run_config(name: str, copy_bw: float, block_ts, warps, tokens=(1,)) -> list[dict]:
+def run_config(name: str, copy_bw: float, block_ts, warps, tokens=(1,),
+               quant_tiles=()) -> list[dict]:
     t, h, e, k = CONFIGS[name]
     n = t * k
     ids = torch.rand(t, e, device="cuda").argsort(dim=1)[:, :k]
@@ -62,6 +67,41 @@ def run_config(name: str, copy_bw: float, block_ts, warps, tokens=(1,)) -> list[
             rows.append({"config": name, "rows": dname, "case": case, "graph_ms": round(ms, 4),
                          "pct_copy_bw": round(pct, 1)})
             print(f"{name:>9} {dname} {case:>24}: {ms:8.4f} ms {pct:5.1f}%", file=sys.stderr)
+    if quant_tiles:
+        rows += quantize_cases(name, mask, n, copy_bw, quant_tiles, warps)
+    return rows
+
+
+def rid_bytes(mask) -> int:
+    return mask.shape[0] * (2 * mask.shape[1] + 1) * 4
+
+
+def map_then_quantize(xb, mask, n, args):
+    rid, fill = make_row_id_map(mask, n, False, 1)
+    return quantize_permute_triton(xb, rid, None, n, *args, fill)
+
+
+def quantize_cases(name, mask, n, copy_bw, tiles, warps) -> list[dict]:
+    """The fused blockwise quantize-permute of a mask: the map built first, then the
+    map-reading kernel, against the kernel that builds the map rows itself, per row tile
+    (elements a program) x warps. Bytes: bf16 rows in, fp8 rows and fp32 scales out."""
+    t, h = mask.shape[0], CONFIGS[name][1]
+    xb = torch.randn(t, h, dtype=torch.bfloat16, device="cuda")
+    args = (128, torch.float8_e4m3fn, "amax", None)
+    nbytes = t * h * 2 + n * (h + -(-h // 128) * 4) + mask.numel() + rid_bytes(mask)
+    cases = {"quantize: map then fused": lambda: map_then_quantize(xb, mask, n, args)}
+    for tile in tiles:
+        for nw in warps:
+            cases[f"quantize: mask fused tile={tile} warps={nw}"] = (
+                lambda tile=tile, nw=nw: quantize_permute_mask_triton(
+                    xb, mask, n, 1, None, *args, tile=tile, num_warps=nw))
+    rows = []
+    for case, fn in cases.items():
+        ms = graph_median_ms(fn)
+        pct = 100 * nbytes / (ms * 1e-3) / 1e9 / copy_bw
+        rows.append({"config": name, "rows": "bf16->fp8", "case": case,
+                     "graph_ms": round(ms, 4), "pct_copy_bw": round(pct, 1)})
+        print(f"{name:>9} {case:>36}: {ms:8.4f} ms {pct:5.1f}%", file=sys.stderr)
     return rows
 
 
@@ -72,6 +112,9 @@ def main() -> None:
     p.add_argument("--block-t", default="8,16,32")
     p.add_argument("--warps", default="2,4,8")
     p.add_argument("--tokens", default="1", help="tokens per program of the fused kernel")
+    p.add_argument("--quant-tiles", default="",
+                   help="also the fused blockwise quantize-permute of a mask, per row tile "
+                        "(elements a program) x warps (bytes: bf16 in, fp8 + scales out)")
     a = p.parse_args()
     if not torch.cuda.is_available():
         print("sweep_permute_mask: CUDA not available")
@@ -81,7 +124,8 @@ def main() -> None:
     for name in a.configs.split(","):
         rows += run_config(name, copy_bw, [int(v) for v in a.block_t.split(",")],
                            [int(v) for v in a.warps.split(",")],
-                           [int(v) for v in a.tokens.split(",")])
+                           [int(v) for v in a.tokens.split(",")],
+                           [int(v) for v in a.quant_tiles.split(",") if v])
         write_json(a.out, {"bench": "sweep_permute_mask", "env": env_info(),
                            "copy_GB/s": round(copy_bw, 1), "results": rows})
 

@@ -119,8 +119,8 @@ def quantize_permute_triton(x, rid, probs, n, block_size, fp8_dtype, scale_mode,
 
 
 def quantize_permute_mask_triton(x, mask, n, align_size, probs, block_size, fp8_dtype,
-                                 scale_mode, scale, *, one_launch=None, tiling=None, kb=4,
-                                 num_warps=4, poison=False):
+                                 scale_mode, scale, *, one_launch=None, tiling=None, tile=None,
+                                 kb=4, num_warps=4, poison=False):
     """``(q, scale, permuted_probs, row_id_map)`` of ``x [T, H]`` by ``mask [T, E]`` with
     the map built in the fused launch (CUDA, or CPU under TRITON_INTERPRET=1): as
     ``make_row_id_map`` then ``quantize_permute_triton``, bit for bit. ``one_launch`` and
@@ -150,7 +150,7 @@ def quantize_permute_mask_triton(x, mask, n, align_size, probs, block_size, fp8_
     z = tail_programs(n)
     has_p = probs is not None
     be = next_pow2(e)
-    consts = _consts(x, fp8_dtype, scale_mode, bs, nb, None)
+    consts = _consts(x, fp8_dtype, scale_mode, bs, nb, tile)
     quantize_permute_mask_kernel[(t + ranges + z, cdiv(nb, consts["GROUPS"]))](
         x, q, s_out, m, before, total, rid, probs, pp if has_p else None, t, n, h, nb, e,
         max(align_size, 1), z, x.stride(0), m.stride(0), probs.stride(0) if has_p else None,
