@@ -32,35 +32,46 @@ from qmoe.ops.quantize_permute import (  # noqa: E402
 from qmoe.ops.row_id_map import MapTiling, make_row_id_map  # noqa: E402
 
 
-def two_step(x, mask, n):
+def two_step(x, mask, n, side=None, side_out=None):
     rid, fill = make_row_id_map(mask, n, False, 1)
-    return permute_rows(x, rid, n, fill=fill), rid
+    return permute_rows(x, rid, n, fill=fill, side=side, side_out=side_out), rid
 
 
-def run_config(name: str, copy_bw: float, block_ts, warps, tokens=(1,),
-               quant_tiles=()) -> list[dict]:
+def run_config(name: str, copy_bw: float, block_ts, warps, tokens=(1,), quant_tiles=(),
+               reg_routes=(None,)) -> list[dict]:
     t, h, e, k = CONFIGS[name]
     n = t * k
     ids = torch.rand(t, e, device="cuda").argsort(dim=1)[:, :k]
     mask = torch.zeros(t, e, dtype=torch.bool, device="cuda").scatter_(1, ids, True)
     rows = []
     default = fused_map_tiling(t, e)
-    for dname, x in (("bf16", torch.randn(t, h, dtype=torch.bfloat16, device="cuda")),
-                     ("fp8", torch.randint(0, 255, (t, h), dtype=torch.uint8, device="cuda"))):
-        nbytes = (t + n) * h * x.element_size() + mask.numel() + t * (2 * e + 1) * 4
+    nb = -(-h // 128)
+    for dname, x, side in (
+        ("bf16", torch.randn(t, h, dtype=torch.bfloat16, device="cuda"), None),
+        # FP8 blockwise rows: the fp8 bits as uint8 and the fp32 scale row as side rows
+        ("fp8+scales", torch.randint(0, 255, (t, h), dtype=torch.uint8, device="cuda"),
+         torch.rand(t, nb, device="cuda")),
+    ):
+        row = h * x.element_size() + (nb * 4 if side is not None else 0)
+        nbytes = (t + n) * row + mask.numel() + rid_bytes(mask)
         rid, fill = make_row_id_map(mask, n, False, 1)
+        so = torch.empty(n, nb, device="cuda") if side is not None else None
         cases = {
-            "two-step": lambda x=x: two_step(x, mask, n),
-            "scatter alone": lambda x=x, rid=rid, fill=fill: permute_rows(x, rid, n, fill=fill),
-            "fused default": lambda x=x: permute_mask_triton(x, mask, n, 1),
+            "two-step": lambda x=x, side=side, so=so: two_step(x, mask, n, side, so),
+            "scatter alone": lambda x=x, rid=rid, fill=fill, side=side, so=so: permute_rows(
+                x, rid, n, fill=fill, side=side, side_out=so),
+            "fused default": lambda x=x, side=side: permute_mask_triton(x, mask, n, 1,
+                                                                        side=side),
         }
         for bt in block_ts:
             for nw in warps:
                 for tp in tokens:
-                    til = MapTiling(bt, default.num_warps, default.prefetch)
-                    cases[f"fused bt={bt} warps={nw} tokens={tp}"] = (
-                        lambda x=x, til=til, nw=nw, tp=tp: permute_mask_triton(
-                            x, mask, n, 1, tiling=til, num_warps=nw, tokens=tp))
+                    for rr in reg_routes:
+                        til = MapTiling(bt, default.num_warps, default.prefetch)
+                        cases[f"fused bt={bt} warps={nw} tokens={tp} reg={rr}"] = (
+                            lambda x=x, side=side, til=til, nw=nw, tp=tp, rr=rr:
+                            permute_mask_triton(x, mask, n, 1, side=side, tiling=til,
+                                                num_warps=nw, tokens=tp, reg_routes=rr))
         for case, fn in cases.items():
             ms = graph_median_ms(fn)
             pct = 100 * nbytes / (ms * 1e-3) / 1e9 / copy_bw
@@ -68,7 +79,7 @@ def run_config(name: str, copy_bw: float, block_ts, warps, tokens=(1,),
                          "pct_copy_bw": round(pct, 1)})
             print(f"{name:>9} {dname} {case:>24}: {ms:8.4f} ms {pct:5.1f}%", file=sys.stderr)
     if quant_tiles:
-        rows += quantize_cases(name, mask, n, copy_bw, quant_tiles, warps)
+        rows += quantize_cases(name, mask, n, copy_bw, quant_tiles, warps, reg_routes)
     return rows
 
 
@@ -81,7 +92,7 @@ def map_then_quantize(xb, mask, n, args):
     return quantize_permute_triton(xb, rid, None, n, *args, fill)
 
 
-def quantize_cases(name, mask, n, copy_bw, tiles, warps) -> list[dict]:
+def quantize_cases(name, mask, n, copy_bw, tiles, warps, reg_routes) -> list[dict]:
     """The fused blockwise quantize-permute of a mask: the map built first, then the
     map-reading kernel, against the kernel that builds the map rows itself, per row tile
     (elements a program) x warps. Bytes: bf16 rows in, fp8 rows and fp32 scales out."""
@@ -92,9 +103,10 @@ def quantize_cases(name, mask, n, copy_bw, tiles, warps) -> list[dict]:
     cases = {"quantize: map then fused": lambda: map_then_quantize(xb, mask, n, args)}
     for tile in tiles:
         for nw in warps:
-            cases[f"quantize: mask fused tile={tile} warps={nw}"] = (
-                lambda tile=tile, nw=nw: quantize_permute_mask_triton(
-                    xb, mask, n, 1, None, *args, tile=tile, num_warps=nw))
+            for rr in reg_routes:
+                cases[f"quantize: mask fused tile={tile} warps={nw} reg={rr}"] = (
+                    lambda tile=tile, nw=nw, rr=rr: quantize_permute_mask_triton(
+                        xb, mask, n, 1, None, *args, tile=tile, num_warps=nw, reg_routes=rr))
     rows = []
     for case, fn in cases.items():
         ms = graph_median_ms(fn)
@@ -112,6 +124,9 @@ def main() -> None:
     p.add_argument("--block-t", default="8,16,32")
     p.add_argument("--warps", default="2,4,8")
     p.add_argument("--tokens", default="1", help="tokens per program of the fused kernel")
+    p.add_argument("--reg-routes", default="auto",
+                   help="comma list of auto/0/1: scatter to the rows held in registers (1) or "
+                        "read the stored map row back (0); auto: the launcher's choice")
     p.add_argument("--quant-tiles", default="",
                    help="also the fused blockwise quantize-permute of a mask, per row tile "
                         "(elements a program) x warps (bytes: bf16 in, fp8 + scales out)")
@@ -125,7 +140,9 @@ def main() -> None:
         rows += run_config(name, copy_bw, [int(v) for v in a.block_t.split(",")],
                            [int(v) for v in a.warps.split(",")],
                            [int(v) for v in a.tokens.split(",")],
-                           [int(v) for v in a.quant_tiles.split(",") if v])
+                           [int(v) for v in a.quant_tiles.split(",") if v],
+                           [None if v == "auto" else bool(int(v))
+                            for v in a.reg_routes.split(",")])
         write_json(a.out, {"bench": "sweep_permute_mask", "env": env_info(),
                            "copy_GB/s": round(copy_bw, 1), "results": rows})
 

@@ -53,6 +53,7 @@ def permute_mask_triton(
     tiling: MapTiling | None = None,
     num_warps: int | None = None,
     tokens: int | None = None,
+    reg_routes: bool | None = None,
     out: torch.Tensor | None = None,
 ):
     """``(out [N, H], permuted_probs [N] or empty, side_out [N, NS] or empty, row_id_map
@@ -100,7 +101,8 @@ def permute_mask_triton(
         m.stride(0), probs.stride(0) if has_p else None, side.stride(0) if has_s else None,
         HAS_P=has_p, HAS_SIDE=has_s, SMALL=small, BLOCK_T=bt, BLOCK_E=be,
         CHUNK_T=count_chunk(t, be, nw), KB=kb, BLOCK_H=bh,
-        BLOCK_S=next_pow2(max(ns, 1)), TOKENS=tokens, num_warps=nw,
+        BLOCK_S=next_pow2(max(ns, 1)), TOKENS=tokens,
+        REG_ROUTES=reg_routes if reg_routes is not None else be <= 128, num_warps=nw,
     )
     return out, pp, so, rid
 

@@ -120,7 +120,7 @@ def quantize_permute_triton(x, rid, probs, n, block_size, fp8_dtype, scale_mode,
 
 def quantize_permute_mask_triton(x, mask, n, align_size, probs, block_size, fp8_dtype,
                                  scale_mode, scale, *, one_launch=None, tiling=None, tile=None,
-                                 kb=4, num_warps=4, poison=False):
+                                 kb=4, num_warps=4, reg_routes=None, poison=False):
     """``(q, scale, permuted_probs, row_id_map)`` of ``x [T, H]`` by ``mask [T, E]`` with
     the map built in the fused launch (CUDA, or CPU under TRITON_INTERPRET=1): as
     ``make_row_id_map`` then ``quantize_permute_triton``, bit for bit. ``one_launch`` and
@@ -156,7 +156,8 @@ def quantize_permute_mask_triton(x, mask, n, align_size, probs, block_size, fp8_
         max(align_size, 1), z, x.stride(0), m.stride(0), probs.stride(0) if has_p else None,
         HAS_P=has_p, SMALL=small, BLOCK_T=bt, BLOCK_E=be,
         CHUNK_T=count_chunk(t, be, num_warps), KB=kb,
-        num_warps=num_warps, **consts,
+        REG_ROUTES=reg_routes if reg_routes is not None else be <= 128, num_warps=num_warps,
+        **consts,
     )
     return q.view(fp8_dtype), s_out, pp, rid
 

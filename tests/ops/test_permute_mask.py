@@ -61,7 +61,7 @@ def test_kernel_matches_two_step_path(kdevice, t, h, e, k, kind, align, one_laun
         out = torch.full((n, h), float("nan"), device=kdevice)
         got = permute_mask_triton(x, m, n, align, p, sd, one_launch=one_launch,
                                   tiling=tilings[i % len(tilings)], tokens=tokens[i],
-                                  out=out)
+                                  reg_routes=(None, True, False)[i], out=out)
         for g, w in zip(got, _want(x, mask, n, align, p, sd)):
             if w is not None:
                 assert_same_bits(g.cpu(), w)

@@ -85,15 +85,16 @@ def test_mask_kernel_matches_map_then_fused(kdevice, recipe, t, h, e, k, kind, a
     x = (torch.randn(t, h + 5, device=kdevice) * 3)[:, :h].to(torch.bfloat16)  # row stride
     probs = torch.rand(t, e, device=kdevice)
     rid, fill = torch.ops.qmoe.make_row_id_map(mask, n, False, align)
-    forms = [(True, None), (False, None), (False, MapTiling(4, 1, 2))]
-    for i, (one, tiling) in enumerate(forms):
+    # (one launch, count tiling, routes from registers or read back from the stored map)
+    forms = [(True, None, None), (False, None, True), (False, MapTiling(4, 1, 2), False)]
+    for i, (one, tiling, reg) in enumerate(forms):
         if align > 1 and e > 64 and one and kdevice == "cpu":
             continue  # interpreter time: E fill programs each counting the whole mask
         p = probs if i != 1 else None
         want = quantize_permute_triton(x, rid, p, n, *_args(r, x), fill)
         got = quantize_permute_mask_triton(x, mask if i else mask.to(torch.int32), n, align, p,
                                            *_args(r, x), one_launch=one, tiling=tiling,
-                                           poison=True)
+                                           reg_routes=reg, poison=True)
         assert_same_bits(got[3], rid)
         for a, b in zip(got[:3], want):
             assert_same_bits(a, b)

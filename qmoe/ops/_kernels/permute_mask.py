@@ -18,7 +18,7 @@ zero the rows no route writes.
 import triton
 import triton.language as tl
 
-from qmoe.ops._kernels.permute import _tail_share, store_routes, zero_rows
+from qmoe.ops._kernels.permute import _scatter_token, _tail_share, store_routes, zero_rows
 from qmoe.ops._kernels.row_id_map import count_mask, expert_starts, mask_row, write_map_row
 
 
@@ -55,6 +55,7 @@ def permute_mask_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_S: tl.constexpr,
     TOKENS: tl.constexpr,  # tokens per program (divides BLOCK_T unless SMALL)
+    REG_ROUTES: tl.constexpr,  # scatter to the rows held in registers (else: read back)
 ):
     """Grid ``(cdiv(T, TOKENS) + R - 1 + Z, cdiv(H, BLOCK_H))`` with R = E + 1 ranges of
     unwritten rows when A > 1 (each expert's padding, then the tail), else R = 1 (the
@@ -76,11 +77,19 @@ def permute_mask_kernel(
         for i in tl.static_range(TOKENS):
             t = t0 + i
             keep, slot, n, mi = map_token(t, run, mask_ptr, map_ptr, T, N, E, stride_m, BLOCK_E)
-            for s0 in range(0, n, KB):  # the rows come from registers, not the stored map
-                d, c, smask = routes_at(keep, slot, run, s0, n, BLOCK_E, KB)
-                store_routes(t.to(tl.int64), xs[i], d, c, smask, out_ptr, None, None, p_ptr,
-                             pp_ptr, side_ptr, side_out_ptr, NS, H, cols, hmask, 0, stride_p,
-                             stride_side, False, HAS_P, HAS_SIDE, False, KB, BLOCK_H, BLOCK_S)
+            if REG_ROUTES:  # the rows come from registers
+                for s0 in range(0, n, KB):
+                    d, c, smask = routes_at(keep, slot, run, s0, n, BLOCK_E, KB)
+                    store_routes(t.to(tl.int64), xs[i], d, c, smask, out_ptr, None, None,
+                                 p_ptr, pp_ptr, side_ptr, side_out_ptr, NS, H, cols, hmask, 0,
+                                 stride_p, stride_side, False, HAS_P, HAS_SIDE, False, KB,
+                                 BLOCK_H, BLOCK_S)
+            elif t < T:  # from the stored map row, read back after a barrier
+                tl.debug_barrier()
+                _scatter_token(t.to(tl.int64), xs[i], out_ptr, map_ptr, None, None, p_ptr,
+                               pp_ptr, side_ptr, side_out_ptr, N, E, NS, H, cols, hmask, 0,
+                               stride_p, stride_side, False, HAS_P, HAS_SIDE, False, KB,
+                               BLOCK_H, BLOCK_S)
             run += mi
     else:
         lo, hi = unwritten_range(pid - progs, mask_ptr, total_ptr, T, N, E, A, Z, stride_m,

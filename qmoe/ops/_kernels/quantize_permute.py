@@ -166,6 +166,7 @@ def quantize_permute_mask_kernel(
     BS: tl.constexpr,
     GROUPS: tl.constexpr,
     KB: tl.constexpr,
+    REG_ROUTES: tl.constexpr,  # scatter to the rows held in registers (else: read back)
 ):
     """Grid ``(T + R - 1 + Z, cdiv(NB, GROUPS))``, R as in ``permute_mask_kernel``:
     programs ``t < T`` build token t's map row, then quantize and scatter its chunk;
@@ -181,13 +182,20 @@ def quantize_permute_mask_kernel(
         run = next_rows(pid, mask_ptr, before_ptr, total_ptr, T, E, A, stride_m, SMALL,
                         BLOCK_T, BLOCK_E, CHUNK_T)
         keep, slot, n, _ = map_token(pid, run, mask_ptr, map_ptr, T, N, E, stride_m, BLOCK_E)
-        q, stored = quantize_tile(x.to(tl.float32), s_ptr, FP8_MAX, EMAX_ELEM, EPS,
-                                  SCALE_MODE, MB, BIAS, HW_CAST)
-        for s0 in range(0, n, KB):  # the rows come from registers, not the stored map row
-            d, c, keep_k = routes_at(keep, slot, run, s0, n, BLOCK_E, KB)
-            _store_quantized(t, q, stored, d, c, keep_k, q_ptr, s_ptr, p_ptr, pp_ptr, None, H,
-                             NB, stride_p, blocks, cols, SCALE_MODE, HAS_P, False, KB, BS,
-                             GROUPS)
+        if REG_ROUTES:  # the rows come from registers
+            q, stored = quantize_tile(x.to(tl.float32), s_ptr, FP8_MAX, EMAX_ELEM, EPS,
+                                      SCALE_MODE, MB, BIAS, HW_CAST)
+            for s0 in range(0, n, KB):
+                d, c, keep_k = routes_at(keep, slot, run, s0, n, BLOCK_E, KB)
+                _store_quantized(t, q, stored, d, c, keep_k, q_ptr, s_ptr, p_ptr, pp_ptr, None,
+                                 H, NB, stride_p, blocks, cols, SCALE_MODE, HAS_P, False, KB,
+                                 BS, GROUPS)
+        else:  # from the stored map row, read back after a barrier
+            tl.debug_barrier()
+            _quantize_scatter_token(
+                t, x, q_ptr, s_ptr, map_ptr, p_ptr, pp_ptr, None, N, H, NB, E, stride_p, blocks,
+                cols, FP8_MAX, EMAX_ELEM, EPS, SCALE_MODE, MB, BIAS, HW_CAST, HAS_P, False, KB,
+                BS, GROUPS)
     else:
         lo, hi = unwritten_range(pid - T, mask_ptr, total_ptr, T, N, E, A, Z, stride_m, SMALL,
                                  BLOCK_E, CHUNK_T)
