@@ -150,7 +150,9 @@ def quantize_permute_mask_triton(x, mask, n, align_size, probs, block_size, fp8_
     z = tail_programs(n)
     has_p = probs is not None
     be = next_pow2(e)
-    consts = _consts(x, fp8_dtype, scale_mode, bs, nb, tile)
+    # 4096 row elements a program at every H (the sweep: a token's map work is done once
+    # per program, so splitting a row over programs repeats it; 1024 lost 8-16 points)
+    consts = _consts(x, fp8_dtype, scale_mode, bs, nb, tile or 4096)
     quantize_permute_mask_kernel[(t + ranges + z, cdiv(nb, consts["GROUPS"]))](
         x, q, s_out, m, before, total, rid, probs, pp if has_p else None, t, n, h, nb, e,
         max(align_size, 1), z, x.stride(0), m.stride(0), probs.stride(0) if has_p else None,
@@ -221,6 +223,21 @@ def _(x, routing_map, probs, num_out_tokens, align_size, block_size, fp8_dtype, 
                                   scale_mode, scale), rid)
 
 
+#: Output rows per token (N / T) from which the fused quantize-permute of a mask builds its
+#: map rows in its own launch (``quantize_permute_mask``) rather than reading a map built
+#: before it. ``sweep_permute_mask.py --quant-tiles`` on the H200 (docs/benchmarks.md,
+#: session 5): the map built inside gained 1-6 points at dsv3, qwen3 and qwen3next (N = 8T
+#: to 10T) and lost 3-9 at mixtral and gptoss (N = 2T, 4T), where each token's map work is
+#: shared by fewer output rows.
+MASK_MAP_MIN_ROWS_PER_TOKEN = 6
+
+
+def _map_in_launch(x, is_index: bool, n: int) -> bool:
+    """Whether ``quantize_permute_mask`` (CUDA, mask map, N >= 6T) serves the call."""
+    return (not is_index and x.is_cuda
+            and n >= MASK_MAP_MIN_ROWS_PER_TOKEN * max(x.shape[0], 1))
+
+
 class _QuantizePermute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, probs, routing_map, is_index, align_size, n, recipe, scale):
@@ -230,7 +247,7 @@ class _QuantizePermute(torch.autograd.Function):
         else:
             s, mode, bs = None, _scale_mode(recipe), recipe.block_size
         args = (n, bs, recipe.fp8_dtype, mode, s)
-        if not is_index and x.is_cuda:  # the map built inside the fused launch
+        if _map_in_launch(x, is_index, n):
             q, s_out, pp, rid = ops.quantize_permute_mask(x, routing_map, probs, n,
                                                           align_size, *args[1:])
         else:
