@@ -40,6 +40,21 @@ def median_ms(fn, *, warmup: int = 5, iters: int = 50) -> float:
     return ts[len(ts) // 2]
 
 
+def capture_graph(fn) -> torch.cuda.CUDAGraph:
+    """``fn`` captured in a CUDA graph, after three warm-up calls on a side stream (they
+    compile the kernels outside the capture)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
 def graph_median_ms(fn, rep: int = 200) -> float | None:
     """Median time of ``fn`` replayed from a CUDA graph (``rep`` ms of replays): the GPU
     time without the Python and launch overhead of eager calls. ``None`` on CPU."""
@@ -47,15 +62,7 @@ def graph_median_ms(fn, rep: int = 200) -> float | None:
         return None
     import triton.testing
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):  # warm up (compiles kernels) outside the capture
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
+    g = capture_graph(fn)
     return float(triton.testing.do_bench(g.replay, warmup=10, rep=rep, return_mode="median"))
 
 

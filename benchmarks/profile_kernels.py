@@ -23,29 +23,16 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_permute import CONFIGS, FP8_RECIPES  # noqa: E402
-from common import env_info, write_json  # noqa: E402
+from common import capture_graph, env_info, write_json  # noqa: E402
 
 import qmoe  # noqa: E402
-
-
-def graph_of(fn) -> torch.cuda.CUDAGraph:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g
 
 
 def profile_graph(fn, replays: int) -> dict:
     """Per-kernel median durations (us) and the median replay span (us)."""
     from torch.profiler import ProfilerActivity, profile
 
-    g = graph_of(fn)
+    g = capture_graph(fn)
     flush = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
     for _ in range(3):
         g.replay()

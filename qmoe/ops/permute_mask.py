@@ -35,6 +35,20 @@ def fused_map_tiling(t: int, e: int) -> MapTiling:
     return map_tiling(t, e)._replace(block_t=FUSED_BLOCK_T)
 
 
+#: Largest ``next_pow2(E)`` for which the fused mask kernels take each route's output row
+#: from registers (``routes_at``) rather than reading the stored map row back
+#: (``sweep_permute_mask.py --reg-routes``, docs/benchmarks.md session 5: registers won
+#: 2-4 points at E <= 128; at E = 512 they ran 2.4x slower, and spilled in the quantize
+#: kernel).
+REG_ROUTES_MAX_E = 128
+
+
+def reg_routes_flag(block_e: int, override: bool | None = None) -> bool:
+    """``REG_ROUTES`` of a fused mask kernel with ``next_pow2(E) = block_e`` (``override``
+    wins when given)."""
+    return override if override is not None else block_e <= REG_ROUTES_MAX_E
+
+
 def count_chunk(t: int, block_e: int, num_warps: int) -> int:
     """Mask rows per step of a SMALL program's counting walk: about 2048 mask entries a
     warp and step."""
@@ -102,7 +116,7 @@ def permute_mask_triton(
         HAS_P=has_p, HAS_SIDE=has_s, SMALL=small, BLOCK_T=bt, BLOCK_E=be,
         CHUNK_T=count_chunk(t, be, nw), KB=kb, BLOCK_H=bh,
         BLOCK_S=next_pow2(max(ns, 1)), TOKENS=tokens,
-        REG_ROUTES=reg_routes if reg_routes is not None else be <= 128, num_warps=nw,
+        REG_ROUTES=reg_routes_flag(be, reg_routes), num_warps=nw,
     )
     return out, pp, so, rid
 

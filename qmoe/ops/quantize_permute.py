@@ -128,7 +128,7 @@ def quantize_permute_mask_triton(x, mask, n, align_size, probs, block_size, fp8_
     No host sync."""
     from qmoe.ops._kernels.quantize_permute import quantize_permute_mask_kernel
     from qmoe.ops.backend import tail_programs
-    from qmoe.ops.permute_mask import count_chunk, fused_map_tiling
+    from qmoe.ops.permute_mask import count_chunk, fused_map_tiling, reg_routes_flag
     from qmoe.ops.row_id_map import block_counts, mask_operand, small_mask
 
     t, h = x.shape
@@ -158,7 +158,7 @@ def quantize_permute_mask_triton(x, mask, n, align_size, probs, block_size, fp8_
         max(align_size, 1), z, x.stride(0), m.stride(0), probs.stride(0) if has_p else None,
         HAS_P=has_p, SMALL=small, BLOCK_T=bt, BLOCK_E=be,
         CHUNK_T=count_chunk(t, be, num_warps), KB=kb,
-        REG_ROUTES=reg_routes if reg_routes is not None else be <= 128, num_warps=num_warps,
+        REG_ROUTES=reg_routes_flag(be, reg_routes), num_warps=num_warps,
         **consts,
     )
     return q.view(fp8_dtype), s_out, pp, rid
