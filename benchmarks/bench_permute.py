@@ -72,7 +72,16 @@ def use_swept_map_tiling(path: str) -> None:
     print("map tilings:", best, file=sys.stderr)
 
 
-def run_config(name: str, copy_bw: float, dev: str = "cuda", ops: str = "") -> list[dict]:
+def same_bytes_copy_ms(nbytes: int, dev: str = "cuda") -> float | None:
+    """A ``copy_`` of ``nbytes / 2`` bytes, timed as the cases are (CUDA-graph median): the
+    ceiling an op moving ``nbytes`` in one launch could reach, graph launch included."""
+    src = torch.empty(max(nbytes // 4, 1), dtype=torch.bfloat16, device=dev)
+    dst = torch.empty_like(src)
+    return graph_median_ms(lambda: dst.copy_(src))
+
+
+def run_config(name: str, copy_bw: float, dev: str = "cuda", ops: str = "",
+               ceiling: bool = False) -> list[dict]:
     rows = []
     t, h, e, k = CONFIGS[name]
     n = t * k
@@ -144,8 +153,15 @@ def run_config(name: str, copy_bw: float, dev: str = "cuda", ops: str = "") -> l
                      "bytes": nbytes, "graph_ms": round(ms, 4),
                      "eager_ms": round(ms_eager, 4), "GB/s": round(gbs, 1),
                      "pct_copy_bw": round(100 * gbs / copy_bw, 1)})
+        if ceiling and dev == "cuda":
+            cms = same_bytes_copy_ms(nbytes)
+            rows[-1].update(same_bytes_copy_ms=round(cms, 4),
+                            pct_same_bytes_copy=round(100 * cms / ms, 1))
         print(f"{name:>9} {case:>28}: graph {ms:8.4f} ms {100 * gbs / copy_bw:5.1f}% "
-              f"of copy; eager {ms_eager * 1e3:9.1f} us", file=sys.stderr)
+              f"of copy; eager {ms_eager * 1e3:9.1f} us"
+              + (f"; same-bytes copy {rows[-1]['same_bytes_copy_ms']:.4f} ms = "
+                 f"op at {rows[-1]['pct_same_bytes_copy']:.1f}% of it" if ceiling else ""),
+              file=sys.stderr)
     return rows
 
 
@@ -159,6 +175,8 @@ def main() -> None:
     p.add_argument("--map-tiling", default=None,
                    help="sweep_map.py JSON: build mask maps with each config's best tiling "
                         "instead of map_tiling()'s choice")
+    p.add_argument("--ceiling", action="store_true",
+                   help="also time a copy of each case's bytes the same way (graph replay)")
     a = p.parse_args()
     if a.map_tiling:
         use_swept_map_tiling(a.map_tiling)
@@ -173,7 +191,7 @@ def main() -> None:
     copy_bw = copy_bandwidth_gbs()
     rows = []
     for name in a.configs.split(","):  # written after each config: a cut-off run keeps the rest
-        rows += run_config(name, copy_bw, ops=a.ops)
+        rows += run_config(name, copy_bw, ops=a.ops, ceiling=a.ceiling)
         torch.cuda.empty_cache()
         write_json(a.out, {"bench": "permute", "env": env_info(),
                            "copy_GB/s": round(copy_bw, 1), "results": rows})

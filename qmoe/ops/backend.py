@@ -31,9 +31,24 @@ def scatter_tile(h: int, itemsize: int, weighted: bool) -> tuple[int, int, int]:
 
 
 def gather_tile(h: int) -> tuple[int, int]:
-    """``(BLOCK_H, num_warps)`` of the merge kernels (same sweep: 4096 columns, 8 warps)."""
+    """``(BLOCK_H, num_warps)`` of the FP8 merge kernel (``sweep_permute.py``, and
+    ``sweep_gather.py --more`` on 2026-12-04: 4096 columns, 8 warps, within 1% of the best
+    at dsv3, qwen3, gptoss)."""
     bh = max(16, min(4096, next_pow2(max(h, 1))))
     return bh, max(1, min(8, bh // 512))
+
+
+def merge_tile(h: int) -> tuple[int, int, str]:
+    """``(BLOCK_H, num_warps, eviction policy)`` of the bf16/fp16/fp32 merge kernel. A
+    power-of-two H up to 4096 is one tile (8 warps at 4096); any other H goes in 1024-column
+    tiles of 2 warps whose rows stream through L2 evict-first (each byte is touched once).
+    From ``benchmarks/sweep_gather.py`` on the H200 (docs/benchmarks.md, 2026-12-04): kernel
+    at dsv3 (H = 7168) 83.0 -> 87.5% of copy, gptoss (2880) 71.1 -> 79.1%; at H = 4096 and
+    2048 the one-tile form stays best (qwen3 92.6 vs 90.3%, qwen3next 95.2 vs 94.0%)."""
+    if (h & (h - 1) == 0 and h <= 4096) or h <= 1024:
+        bh = max(16, next_pow2(max(h, 1)))
+        return bh, max(1, min(8, bh // 512)), ""
+    return 1024, 2, "evict_first"
 
 
 def _routes(rid: torch.Tensor):
@@ -167,14 +182,14 @@ def unpermute_rows(
     if t == 0 or h == 0:
         return out
     x = x.contiguous()
-    bh, nw = gather_tile(h)
+    bh, nw, evict = merge_tile(h)
     if num_slots(rid) == 0:
         return out.zero_()  # no routes: nothing to read
     ok = torch.ones(1, dtype=torch.int32, device=x.device)
     w, p = _weights_arg(weights, x)
     unpermute_gather_kernel[(t, cdiv(h, bh))](
         x, out, rid, w, ok, h, num_slots(rid), x.shape[0], w.stride(0), p,
-        HAS_W=weights is not None, BLOCK_H=bh, num_warps=nw,
+        HAS_W=weights is not None, BLOCK_H=bh, EVICT=evict, num_warps=nw,
     )
     _assert_ok(ok)
     return out

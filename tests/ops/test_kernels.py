@@ -80,6 +80,24 @@ def test_permute_unpermute_kernels(kdevice, t, h, e, k, kind, extra, map_type):
         torch.testing.assert_close(gw.double(), ref.double(), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("h", [1025, 2880])
+def test_merge_in_1024_column_tiles(kdevice, h):
+    """H that is not a power of two (or past 4096) merges in 1024-column programs with
+    evict-first rows: several column programs per token, the last one partial."""
+    assert B.merge_tile(h) == (1024, 2, "evict_first")
+    t, e, k = 9, 8, 3
+    ids, mask = routing(t, e, k, "sentinels", kdevice)
+    n = int(mask.sum()) - 2  # two routes dropped
+    rid, _ = make_row_id_map(mask, n, False, 1)
+    y = torch.randn(n, h, device=kdevice)
+    got = B.unpermute_rows(y, rid, None, use_triton=True, out=_poison((t, h), y.dtype, kdevice))
+    assert_same_bits(got.cpu(), B.unpermute_rows(y.cpu(), rid.cpu(), None, use_triton=False))
+    w = torch.rand(t, e, device=kdevice)
+    got = B.unpermute_rows(y, rid, w, use_triton=True, out=_poison((t, h), y.dtype, kdevice))
+    ref = B.unpermute_rows(y.double(), rid, w.double(), use_triton=False)
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
+
+
 def test_padded_map_kernels_zero_padding(kdevice):
     t, h, e = 50, 40, 8
     ids, mask = routing(t, e, 2, "empty_experts", kdevice)

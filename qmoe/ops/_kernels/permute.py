@@ -128,7 +128,8 @@ def permute_scatter_kernel(
         x = tl.load(inp_ptr + t * stride_in + cols, mask=hmask)
         _scatter_token(t, x, out_ptr, map_ptr, w_ptr, written_ptr, p_ptr, pp_ptr, side_ptr,
                        side_out_ptr, N, S, NS, H, cols, hmask, stride_w, stride_p,
-                       stride_side, HAS_W, HAS_P, HAS_SIDE, not HAS_FILL, KB, BLOCK_H, BLOCK_S)
+                       stride_side, HAS_W, HAS_P, HAS_SIDE, not HAS_FILL, KB, BLOCK_H, BLOCK_S,
+                       "")
 
 
 @triton.jit
@@ -136,10 +137,10 @@ def _scatter_token(t, x, out_ptr, map_ptr, w_ptr, written_ptr, p_ptr, pp_ptr, si
                    side_out_ptr, N, S, NS, H, cols, hmask, stride_w, stride_p, stride_side,
                    HAS_W: tl.constexpr, HAS_P: tl.constexpr, HAS_SIDE: tl.constexpr,
                    FLAGS: tl.constexpr, KB: tl.constexpr, BLOCK_H: tl.constexpr,
-                   BLOCK_S: tl.constexpr):
+                   BLOCK_S: tl.constexpr, EVICT: tl.constexpr):
     """Token t's share of ``permute_scatter_kernel``: ``x`` is its row over ``cols``
     (loaded by the caller; other arguments as there; FLAGS: mark the rows written in
-    ``written``)."""
+    ``written``; EVICT: cache hint of the row stores, "" or "evict_first")."""
     mrow = map_ptr + t * (2 * S + 1)
     # The row (loaded by the caller), the count and the first KB slots load together: the
     # first stores wait for one memory round trip, not two (most tokens have <= KB routes).
@@ -158,7 +159,7 @@ def _scatter_token(t, x, out_ptr, map_ptr, w_ptr, written_ptr, p_ptr, pp_ptr, si
             c = tl.zeros((KB,), dtype=tl.int32)
         store_routes(t, x, d, c, smask, out_ptr, w_ptr, written_ptr, p_ptr, pp_ptr, side_ptr,
                      side_out_ptr, NS, H, cols, hmask, stride_w, stride_p, stride_side, HAS_W,
-                     HAS_P, HAS_SIDE, FLAGS, KB, BLOCK_H, BLOCK_S)
+                     HAS_P, HAS_SIDE, FLAGS, KB, BLOCK_H, BLOCK_S, EVICT)
 
 
 @triton.jit
@@ -166,17 +167,18 @@ def store_routes(t, x, d, c, smask, out_ptr, w_ptr, written_ptr, p_ptr, pp_ptr, 
                  side_out_ptr, NS, H, cols, hmask, stride_w, stride_p, stride_side,
                  HAS_W: tl.constexpr, HAS_P: tl.constexpr, HAS_SIDE: tl.constexpr,
                  FLAGS: tl.constexpr, KB: tl.constexpr, BLOCK_H: tl.constexpr,
-                 BLOCK_S: tl.constexpr):
+                 BLOCK_S: tl.constexpr, EVICT: tl.constexpr):
     """Write token t's row ``x`` (over ``cols``) to the KB output rows ``d`` (int64) where
     ``smask``, with its weight / probs from column ``c`` of its weights / probs row, its
     side row, and (FLAGS) the rows' ``written`` flags (arguments as in
-    ``permute_scatter_kernel``)."""
+    ``permute_scatter_kernel``; EVICT: cache hint of the row stores)."""
     if HAS_W:
         w = tl.load(w_ptr + t * stride_w + c, mask=smask, other=0.0).to(tl.float32)
         y = (x.to(tl.float32)[None, :] * w[:, None]).to(out_ptr.dtype.element_ty)
     else:
         y = tl.broadcast_to(x[None, :], (KB, BLOCK_H))
-    tl.store(out_ptr + d[:, None] * H + cols[None, :], y, mask=smask[:, None] & hmask[None, :])
+    tl.store(out_ptr + d[:, None] * H + cols[None, :], y, mask=smask[:, None] & hmask[None, :],
+             eviction_policy=EVICT)
     if tl.program_id(1) == 0:
         if FLAGS:
             tl.store(written_ptr + d, tl.full((KB,), 1, dtype=tl.int8), mask=smask)
@@ -290,6 +292,7 @@ def unpermute_gather_kernel(
     P,  # columns of the weights (a route's column >= P is an error; w_ptr holds >= 1)
     HAS_W: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    EVICT: tl.constexpr = "",  # cache hint of the row loads and the store ("evict_first")
 ):
     """out[t] = sum over t's rows of inp[row] (* weight), accumulated in fp32 in row order.
     A row outside ``[0, N_IN)`` is never read (it adds zero and clears ``ok``), nor a weight
@@ -307,9 +310,11 @@ def unpermute_gather_kernel(
         d, w, cbad = d_next, w_next, c_next
         d_next, w_next, c_next = _route(mrow, S, s + 1, n, wrow, P, HAS_W)
         d, lmask, bad = _checked_row(d, N_IN, hmask, bad, BLOCK_H)
-        x = tl.load(inp_ptr + d * H + cols, mask=lmask, other=0.0).to(tl.float32)
+        x = tl.load(inp_ptr + d * H + cols, mask=lmask, other=0.0,
+                    eviction_policy=EVICT).to(tl.float32)
         acc, bad = _merge_add(acc, x, w, cbad, bad, HAS_W)
-    tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=hmask)
+    tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=hmask,
+             eviction_policy=EVICT)
     tl.store(ok_ptr + tl.arange(0, 1), tl.zeros((1,), dtype=tl.int32), mask=bad != 0)
 
 
