@@ -177,13 +177,15 @@ def _sweep_split_and_fp8(name, t, h, n, y, back, rid, probs, ok, s, ref, record)
     fbytes = n * (h + qs.shape[1] * 4) + t * h * 2 + rid.numel() * 4
     record("moe_unpermute(fp8 blockwise, merging_probs)",
            lambda: qmoe.moe_unpermute(qy, rid, probs), nbytes=fbytes)
-    for bh, nws in ((2048, (4, 8)), (4096, (4, 8, 16)), (8192, (8, 16))):
+    for bh, nws in ((1024, (1, 2, 4)), (2048, (2, 4, 8)), (4096, (4, 8, 16)), (8192, (8, 16))):
         for nw in nws:
-            record("unpermute_fp8 blockwise", lambda bh=bh, nw=nw: unpermute_fp8_kernel[
-                (t, triton.cdiv(h, bh))](
-                qbits, qs, back, rid, probs, ok, h, s, n, qs.shape[1], probs.stride(0),
-                probs.shape[1], LAYOUT=1, BS=128, MB=3, BIAS=7, HW_CAST=True, HAS_W=True,
-                BLOCK_H=bh, num_warps=nw), nbytes=fbytes, BLOCK_H=bh, num_warps=nw)
+            for ev in ("", "evict_first"):
+                record("unpermute_fp8 blockwise", lambda bh=bh, nw=nw, ev=ev:
+                       unpermute_fp8_kernel[(t, triton.cdiv(h, bh))](
+                           qbits, qs, back, rid, probs, ok, h, s, n, qs.shape[1],
+                           probs.stride(0), probs.shape[1], LAYOUT=1, BS=128, MB=3, BIAS=7,
+                           HW_CAST=True, HAS_W=True, BLOCK_H=bh, EVICT=ev, num_warps=nw),
+                       nbytes=fbytes, BLOCK_H=bh, num_warps=nw, evict=ev)
     return rows
 
 

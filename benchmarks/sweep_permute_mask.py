@@ -38,7 +38,7 @@ def two_step(x, mask, n, side=None, side_out=None):
 
 
 def run_config(name: str, copy_bw: float, block_ts, warps, tokens=(1,), quant_tiles=(),
-               reg_routes=(None,), evicts=()) -> list[dict]:
+               reg_routes=(None,)) -> list[dict]:
     t, h, e, k = CONFIGS[name]
     n = t * k
     ids = torch.rand(t, e, device="cuda").argsort(dim=1)[:, :k]
@@ -63,10 +63,6 @@ def run_config(name: str, copy_bw: float, block_ts, warps, tokens=(1,), quant_ti
             "fused default": lambda x=x, side=side: permute_mask_triton(x, mask, n, 1,
                                                                         side=side),
         }
-        for ev in evicts:
-            cases[f"fused default evict={ev}"] = (
-                lambda x=x, side=side, ev=ev: permute_mask_triton(x, mask, n, 1, side=side,
-                                                                  evict=ev))
         for bt in block_ts:
             for nw in warps:
                 for tp in tokens:
@@ -134,9 +130,6 @@ def main() -> None:
     p.add_argument("--quant-tiles", default="",
                    help="also the fused blockwise quantize-permute of a mask, per row tile "
                         "(elements a program) x warps (bytes: bf16 in, fp8 + scales out)")
-    p.add_argument("--evict", default="",
-                   help="comma list of cache hints of the fused kernel's row loads and stores "
-                        "(evict_first, evict_last), each next to the default")
     a = p.parse_args()
     if not torch.cuda.is_available():
         print("sweep_permute_mask: CUDA not available")
@@ -149,8 +142,7 @@ def main() -> None:
                            [int(v) for v in a.tokens.split(",")],
                            [int(v) for v in a.quant_tiles.split(",") if v],
                            [None if v == "auto" else bool(int(v))
-                            for v in a.reg_routes.split(",")],
-                           [v for v in a.evict.split(",") if v])
+                            for v in a.reg_routes.split(",")])
         write_json(a.out, {"bench": "sweep_permute_mask", "env": env_info(),
                            "copy_GB/s": round(copy_bw, 1), "results": rows})
 

@@ -30,21 +30,15 @@ def scatter_tile(h: int, itemsize: int, weighted: bool) -> tuple[int, int, int]:
     return bh, nw, 4 if weighted or itemsize == 1 else 8
 
 
-def gather_tile(h: int) -> tuple[int, int]:
-    """``(BLOCK_H, num_warps)`` of the FP8 merge kernel (``sweep_permute.py``, and
-    ``sweep_gather.py --more`` on 2026-12-04: 4096 columns, 8 warps, within 1% of the best
-    at dsv3, qwen3, gptoss)."""
-    bh = max(16, min(4096, next_pow2(max(h, 1))))
-    return bh, max(1, min(8, bh // 512))
-
-
 def merge_tile(h: int) -> tuple[int, int, str]:
-    """``(BLOCK_H, num_warps, eviction policy)`` of the bf16/fp16/fp32 merge kernel. A
-    power-of-two H up to 4096 is one tile (8 warps at 4096); any other H goes in 1024-column
-    tiles of 2 warps whose rows stream through L2 evict-first (each byte is touched once).
-    From ``benchmarks/sweep_gather.py`` on the H200 (docs/benchmarks.md, 2026-12-04): kernel
-    at dsv3 (H = 7168) 83.0 -> 87.5% of copy, gptoss (2880) 71.1 -> 79.1%; at H = 4096 and
-    2048 the one-tile form stays best (qwen3 92.6 vs 90.3%, qwen3next 95.2 vs 94.0%)."""
+    """``(BLOCK_H, num_warps, eviction policy)`` of the merge kernels (bf16/fp16/fp32 rows
+    and FP8 rows). A power-of-two H up to 4096 is one tile (8 warps at 4096); any other H
+    goes in 1024-column tiles of 2 warps whose rows stream through L2 evict-first (each
+    byte is touched once). From ``benchmarks/sweep_gather.py [--more]`` on the H200
+    (docs/benchmarks.md, 2026-12-04), kernel alone, % of copy: bf16 dsv3 (H = 7168) 83.0 ->
+    87.5, gptoss (2880) 71.1 -> 79.1; FP8 blockwise dsv3 69.0 -> 77.8, gptoss 56.9 -> 69.9.
+    At H = 4096 and 2048 the one-tile form stays (bf16 qwen3 92.6 vs 90.3, qwen3next 95.2
+    vs 94.0; FP8 qwen3 80.0 vs 77.0, mixtral 69.4 vs 72.8)."""
     if (h & (h - 1) == 0 and h <= 4096) or h <= 1024:
         bh = max(16, next_pow2(max(h, 1)))
         return bh, max(1, min(8, bh // 512)), ""
@@ -308,7 +302,7 @@ def unpermute_fp8_rows(
     out = torch.empty(t, h, dtype=out_dtype, device=qbits.device)
     if t == 0 or h == 0:
         return out
-    bh, nw = gather_tile(h)
+    bh, nw, evict = merge_tile(h)
     e4m3 = fp8_dtype == torch.float8_e4m3fn
     if num_slots(rid) == 0:
         return out.zero_()  # no routes: nothing to read
@@ -321,7 +315,8 @@ def unpermute_fp8_rows(
         qbits.contiguous(), scale, out, rid, w, ok, h, num_slots(rid),
         qbits.shape[0], scale.shape[-1] if scale.dim() else 1, w.stride(0), p,
         LAYOUT=layout, BS=max(block_size, 1), MB=3 if e4m3 else 2, BIAS=7 if e4m3 else 15,
-        HW_CAST=qbits.is_cuda, HAS_W=weights is not None, BLOCK_H=bh, num_warps=nw,
+        HW_CAST=qbits.is_cuda, HAS_W=weights is not None, BLOCK_H=bh, EVICT=evict,
+        num_warps=nw,
     )
     _assert_ok(ok)
     return out

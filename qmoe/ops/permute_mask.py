@@ -68,7 +68,6 @@ def permute_mask_triton(
     num_warps: int | None = None,
     tokens: int | None = None,
     reg_routes: bool | None = None,
-    evict: str = "",
     out: torch.Tensor | None = None,
 ):
     """``(out [N, H], permuted_probs [N] or empty, side_out [N, NS] or empty, row_id_map
@@ -76,8 +75,7 @@ def permute_mask_triton(
     interpreter), as ``make_row_id_map`` then ``permute_rows``. ``one_launch`` forces the
     SMALL form on or off; ``tiling`` overrides ``fused_map_tiling`` (its block and warps
     set the count pass), ``num_warps`` the fused kernel's ``FUSED_WARPS``, ``tokens`` its
-    tokens per program (default 1; must divide the count block); ``evict`` the cache hint
-    of the row loads and stores ("" or "evict_first"; benchmarks only); ``out``
+    tokens per program (default 1; must divide the count block); ``out``
     (tests: poisoned) receives the rows. No host sync."""
     from qmoe.ops._kernels.permute_mask import permute_mask_kernel
 
@@ -118,7 +116,7 @@ def permute_mask_triton(
         HAS_P=has_p, HAS_SIDE=has_s, SMALL=small, BLOCK_T=bt, BLOCK_E=be,
         CHUNK_T=count_chunk(t, be, nw), KB=kb, BLOCK_H=bh,
         BLOCK_S=next_pow2(max(ns, 1)), TOKENS=tokens,
-        REG_ROUTES=reg_routes_flag(be, reg_routes), EVICT=evict, num_warps=nw,
+        REG_ROUTES=reg_routes_flag(be, reg_routes), num_warps=nw,
     )
     return out, pp, so, rid
 

@@ -234,7 +234,7 @@ def test_mask_map_rejects_bad_tiling():
 @pytest.mark.parametrize("recipe", [
     "pertensor-e4m3", "pertensor-e5m2", "blockwise-e4m3", "blockwise-e5m2", "mx-e4m3", "mx-e5m2",
 ])
-@pytest.mark.parametrize("h", [17, 300])
+@pytest.mark.parametrize("h", [17, 300, 1100])  # 1100: 1024-column tiles, evict-first
 def test_unpermute_fp8_kernel_dequantizes_in_place(kdevice, recipe, h):
     import qmoe
     from qmoe.ops.fp8 import _bits, _layout

@@ -128,8 +128,7 @@ def permute_scatter_kernel(
         x = tl.load(inp_ptr + t * stride_in + cols, mask=hmask)
         _scatter_token(t, x, out_ptr, map_ptr, w_ptr, written_ptr, p_ptr, pp_ptr, side_ptr,
                        side_out_ptr, N, S, NS, H, cols, hmask, stride_w, stride_p,
-                       stride_side, HAS_W, HAS_P, HAS_SIDE, not HAS_FILL, KB, BLOCK_H, BLOCK_S,
-                       "")
+                       stride_side, HAS_W, HAS_P, HAS_SIDE, not HAS_FILL, KB, BLOCK_H, BLOCK_S)
 
 
 @triton.jit
@@ -137,10 +136,10 @@ def _scatter_token(t, x, out_ptr, map_ptr, w_ptr, written_ptr, p_ptr, pp_ptr, si
                    side_out_ptr, N, S, NS, H, cols, hmask, stride_w, stride_p, stride_side,
                    HAS_W: tl.constexpr, HAS_P: tl.constexpr, HAS_SIDE: tl.constexpr,
                    FLAGS: tl.constexpr, KB: tl.constexpr, BLOCK_H: tl.constexpr,
-                   BLOCK_S: tl.constexpr, EVICT: tl.constexpr):
+                   BLOCK_S: tl.constexpr):
     """Token t's share of ``permute_scatter_kernel``: ``x`` is its row over ``cols``
     (loaded by the caller; other arguments as there; FLAGS: mark the rows written in
-    ``written``; EVICT: cache hint of the row stores, "" or "evict_first")."""
+    ``written``)."""
     mrow = map_ptr + t * (2 * S + 1)
     # The row (loaded by the caller), the count and the first KB slots load together: the
     # first stores wait for one memory round trip, not two (most tokens have <= KB routes).
@@ -159,7 +158,7 @@ def _scatter_token(t, x, out_ptr, map_ptr, w_ptr, written_ptr, p_ptr, pp_ptr, si
             c = tl.zeros((KB,), dtype=tl.int32)
         store_routes(t, x, d, c, smask, out_ptr, w_ptr, written_ptr, p_ptr, pp_ptr, side_ptr,
                      side_out_ptr, NS, H, cols, hmask, stride_w, stride_p, stride_side, HAS_W,
-                     HAS_P, HAS_SIDE, FLAGS, KB, BLOCK_H, BLOCK_S, EVICT)
+                     HAS_P, HAS_SIDE, FLAGS, KB, BLOCK_H, BLOCK_S)
 
 
 @triton.jit
@@ -167,18 +166,17 @@ def store_routes(t, x, d, c, smask, out_ptr, w_ptr, written_ptr, p_ptr, pp_ptr, 
                  side_out_ptr, NS, H, cols, hmask, stride_w, stride_p, stride_side,
                  HAS_W: tl.constexpr, HAS_P: tl.constexpr, HAS_SIDE: tl.constexpr,
                  FLAGS: tl.constexpr, KB: tl.constexpr, BLOCK_H: tl.constexpr,
-                 BLOCK_S: tl.constexpr, EVICT: tl.constexpr):
+                 BLOCK_S: tl.constexpr):
     """Write token t's row ``x`` (over ``cols``) to the KB output rows ``d`` (int64) where
     ``smask``, with its weight / probs from column ``c`` of its weights / probs row, its
     side row, and (FLAGS) the rows' ``written`` flags (arguments as in
-    ``permute_scatter_kernel``; EVICT: cache hint of the row stores)."""
+    ``permute_scatter_kernel``)."""
     if HAS_W:
         w = tl.load(w_ptr + t * stride_w + c, mask=smask, other=0.0).to(tl.float32)
         y = (x.to(tl.float32)[None, :] * w[:, None]).to(out_ptr.dtype.element_ty)
     else:
         y = tl.broadcast_to(x[None, :], (KB, BLOCK_H))
-    tl.store(out_ptr + d[:, None] * H + cols[None, :], y, mask=smask[:, None] & hmask[None, :],
-             eviction_policy=EVICT)
+    tl.store(out_ptr + d[:, None] * H + cols[None, :], y, mask=smask[:, None] & hmask[None, :])
     if tl.program_id(1) == 0:
         if FLAGS:
             tl.store(written_ptr + d, tl.full((KB,), 1, dtype=tl.int8), mask=smask)
@@ -388,6 +386,7 @@ def unpermute_fp8_kernel(
     HW_CAST: tl.constexpr,
     HAS_W: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    EVICT: tl.constexpr = "",  # cache hint of the fp8 row loads and the store
 ):
     """The merge of quantized rows: each row is dequantized in registers (fp8 value times
     its block's scale, fp32) and summed in fp32 in row order, as ``unpermute_gather``."""
@@ -405,7 +404,7 @@ def unpermute_fp8_kernel(
     # merge at qwen3 78% -> 60% of copy), while the bf16 merge gained (docs/benchmarks.md).
     for s in range(0, n):
         d, lmask, bad = _checked_row(tl.load(mrow + s).to(tl.int64), N_IN, hmask, bad, BLOCK_H)
-        b = tl.load(q_ptr + d * H + cols, mask=lmask, other=0)
+        b = tl.load(q_ptr + d * H + cols, mask=lmask, other=0, eviction_policy=EVICT)
         v = fp8_bits_to_fp32(b, MB, BIAS, HW_CAST)
         if LAYOUT == 0:
             x = v * st
@@ -425,5 +424,6 @@ def unpermute_fp8_kernel(
             x = v * sc
         w, cbad = _route_weight(mrow, S, s, wrow, P, HAS_W)
         acc, bad = _merge_add(acc, x, w, cbad, bad, HAS_W)
-    tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=hmask)
+    tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=hmask,
+             eviction_policy=EVICT)
     tl.store(ok_ptr + tl.arange(0, 1), tl.zeros((1,), dtype=tl.int32), mask=bad != 0)

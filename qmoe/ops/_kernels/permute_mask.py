@@ -56,7 +56,6 @@ def permute_mask_kernel(
     BLOCK_S: tl.constexpr,
     TOKENS: tl.constexpr,  # tokens per program (divides BLOCK_T unless SMALL)
     REG_ROUTES: tl.constexpr,  # scatter to the rows held in registers (else: read back)
-    EVICT: tl.constexpr = "",  # cache hint of the row loads and stores ("evict_first")
 ):
     """Grid ``(cdiv(T, TOKENS) + R - 1 + Z, cdiv(H, BLOCK_H))`` with R = E + 1 ranges of
     unwritten rows when A > 1 (each expert's padding, then the tail), else R = 1 (the
@@ -72,8 +71,7 @@ def permute_mask_kernel(
         for i in tl.static_range(TOKENS):
             t = (t0 + i).to(tl.int64)
             width = tl.where(t < T, H, 0)  # past T: nothing to load
-            xs = xs + (tl.load(inp_ptr + t * stride_in + cols, mask=cols < width,
-                               eviction_policy=EVICT),)
+            xs = xs + (tl.load(inp_ptr + t * stride_in + cols, mask=cols < width),)
         run = next_rows(t0, mask_ptr, before_ptr, total_ptr, T, E, A, stride_m, SMALL, BLOCK_T,
                         BLOCK_E, CHUNK_T)
         for i in tl.static_range(TOKENS):
@@ -85,13 +83,13 @@ def permute_mask_kernel(
                     store_routes(t.to(tl.int64), xs[i], d, c, smask, out_ptr, None, None,
                                  p_ptr, pp_ptr, side_ptr, side_out_ptr, NS, H, cols, hmask, 0,
                                  stride_p, stride_side, False, HAS_P, HAS_SIDE, False, KB,
-                                 BLOCK_H, BLOCK_S, EVICT)
+                                 BLOCK_H, BLOCK_S)
             elif t < T:  # from the stored map row, read back after a barrier
                 tl.debug_barrier()
                 _scatter_token(t.to(tl.int64), xs[i], out_ptr, map_ptr, None, None, p_ptr,
                                pp_ptr, side_ptr, side_out_ptr, N, E, NS, H, cols, hmask, 0,
                                stride_p, stride_side, False, HAS_P, HAS_SIDE, False, KB,
-                               BLOCK_H, BLOCK_S, EVICT)
+                               BLOCK_H, BLOCK_S)
             run += mi
     else:
         lo, hi = unwritten_range(pid - progs, mask_ptr, total_ptr, T, N, E, A, Z, stride_m,
