@@ -1,5 +1,6 @@
-"""Sweep the merge (unpermute gather) kernel: tile x warps x pipeline stages, and a
-two-routes-a-step variant, next to the whole ``moe_unpermute`` op (CUDA-graph medians).
+"""Sweep the merge (unpermute gather) kernel: tile x warps x pipeline stages x cache
+hint, and a two-routes-a-step variant, next to the whole ``moe_unpermute`` op (CUDA-graph
+medians); ``--more`` adds an even split of H over the column programs and the FP8 merge.
 
     python benchmarks/sweep_gather.py [--out sweep_gather.json] [--configs dsv3,qwen3]
 
@@ -48,6 +49,7 @@ def gather_pairs_kernel(
     P,
     HAS_W: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    EVICT: tl.constexpr = "",
 ):
     """unpermute_gather_kernel with two routes' rows in flight a step (same sum order)."""
     t = tl.program_id(0).to(tl.int64)
@@ -68,8 +70,10 @@ def gather_pairs_kernel(
         d0, m0, bad = _checked_row(d0, N_IN, hmask, bad, BLOCK_H)
         d1, m1, bad = _checked_row(d1, N_IN, hmask, bad, BLOCK_H)
         two = (cols * 0 + s + 1) < n  # (BLOCK_H,): a vector (the interpreter's masks)
-        x0 = tl.load(inp_ptr + d0 * H + cols, mask=m0, other=0.0).to(tl.float32)
-        x1 = tl.load(inp_ptr + d1 * H + cols, mask=m1 & two, other=0.0).to(tl.float32)
+        x0 = tl.load(inp_ptr + d0 * H + cols, mask=m0, other=0.0,
+                     eviction_policy=EVICT).to(tl.float32)
+        x1 = tl.load(inp_ptr + d1 * H + cols, mask=m1 & two, other=0.0,
+                     eviction_policy=EVICT).to(tl.float32)
         acc, bad = _merge_add(acc, x0, w0, c0, bad, HAS_W)
         acc2, bad = _merge_add(acc, x1, w1, c1, bad, HAS_W)
         acc = tl.where(two, acc2, acc)
@@ -112,44 +116,6 @@ def gather_split_kernel(
         x = tl.load(inp_ptr + d * H + cols, mask=lmask, other=0.0).to(tl.float32)
         acc, bad = _merge_add(acc, x, w, cbad, bad, HAS_W)
     tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=hmask)
-    tl.store(ok_ptr + tl.arange(0, 1), tl.zeros((1,), dtype=tl.int32), mask=bad != 0)
-
-
-@triton.jit
-def gather_evict_kernel(
-    inp_ptr,  # (N, H) any float dtype, contiguous
-    out_ptr,  # (T, H) output dtype, contiguous
-    map_ptr,  # (T, 2S+1) int32
-    w_ptr,  # (T, P) merging weights, row stride stride_w (read only if HAS_W)
-    ok_ptr,  # (1,) int32
-    H,
-    S,
-    N_IN,
-    stride_w,
-    P,
-    HAS_W: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-):
-    """unpermute_gather_kernel with streaming hints: rows read evict-first, output stored
-    evict-first (each byte is touched once)."""
-    t = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    hmask = cols < H
-    mrow = map_ptr + t * (2 * S + 1)
-    n = tl.minimum(tl.load(mrow + 2 * S), S)
-    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    bad = tl.zeros((1,), dtype=tl.int32) + (n < 0).to(tl.int32)
-    wrow = w_ptr + t * stride_w
-    d_next, w_next, c_next = _route(mrow, S, 0, n, wrow, P, HAS_W)
-    for s in range(0, n):
-        d, w, cbad = d_next, w_next, c_next
-        d_next, w_next, c_next = _route(mrow, S, s + 1, n, wrow, P, HAS_W)
-        d, lmask, bad = _checked_row(d, N_IN, hmask, bad, BLOCK_H)
-        x = tl.load(inp_ptr + d * H + cols, mask=lmask, other=0.0,
-                    eviction_policy="evict_first").to(tl.float32)
-        acc, bad = _merge_add(acc, x, w, cbad, bad, HAS_W)
-    tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=hmask,
-             eviction_policy="evict_first")
     tl.store(ok_ptr + tl.arange(0, 1), tl.zeros((1,), dtype=tl.int32), mask=bad != 0)
 
 
@@ -212,28 +178,29 @@ def sweep_config(name: str, copy_bw: float, more: bool = False) -> list[dict]:
                      "pct_copy_bw": round(pct, 1)})
         print(name, kernel, tile, f"{ms:.4f} ms {pct:.1f}%", file=sys.stderr, flush=True)
 
-    def launch(kernel, bh, nw, ns):
+    def launch(kernel, bh, nw, ns, ev=""):
         kernel[(t, triton.cdiv(h, bh))](y, back, rid, probs, ok, h, s, n, probs.stride(0),
-                                        probs.shape[1], HAS_W=True, BLOCK_H=bh,
+                                        probs.shape[1], HAS_W=True, BLOCK_H=bh, EVICT=ev,
                                         num_warps=nw, num_stages=ns)
 
     record("moe_unpermute(merging_probs)", lambda: qmoe.moe_unpermute(y, rid, probs))
-    for kname, kernel in (("gather", unpermute_gather_kernel),
-                          ("gather_pairs", gather_pairs_kernel),
-                          ("gather_evict", gather_evict_kernel)):
+    wide = ((1024, (1, 2, 4)), (2048, (2, 4, 8)), (4096, (4, 8, 16)), (8192, (8, 16)))
+    small = ((512, (1,)), (1024, (1, 2)), (2048, (2, 4)), (4096, (8,)))
+    for kname, kernel, ev, tiles in (
+            ("gather", unpermute_gather_kernel, "", wide),
+            ("gather evict_first", unpermute_gather_kernel, "evict_first", small),
+            ("gather_pairs", gather_pairs_kernel, "", ((4096, (4, 8)), (8192, (8,)))),
+            ("gather_pairs evict_first", gather_pairs_kernel, "evict_first", small)):
         back.fill_(float("nan"))
-        launch(kernel, 4096, 8, 3)
+        launch(kernel, 4096, 8, 3, ev)
         same = torch.equal(back, ref)
         rows.append({"config": name, "kernel": kname, "equal_to_op": same})
         print(name, kname, "equal to moe_unpermute:", same, file=sys.stderr)
-        tiles = ((1024, (1, 2, 4)), (2048, (2, 4, 8)), (4096, (4, 8, 16)), (8192, (8, 16)))
-        if kernel is not unpermute_gather_kernel:  # the variants at the tiles that won
-            tiles = ((1024, (2,)), (4096, (4, 8)), (8192, (8,)))
         for bh, nws in tiles:
             for nw in nws:
-                for ns in ((1, 3) if bh == 4096 and kernel is unpermute_gather_kernel else (3,)):
-                    record(kname, lambda kernel=kernel, bh=bh, nw=nw, ns=ns: launch(
-                        kernel, bh, nw, ns), BLOCK_H=bh, num_warps=nw, num_stages=ns)
+                for ns in ((1, 3) if bh == 4096 and tiles is wide else (3,)):
+                    record(kname, lambda kernel=kernel, bh=bh, nw=nw, ns=ns, ev=ev: launch(
+                        kernel, bh, nw, ns, ev), BLOCK_H=bh, num_warps=nw, num_stages=ns)
     if more:
         rows += _sweep_split_and_fp8(name, t, h, n, y, back, rid, probs, ok, s, ref, record)
     # the ceiling: a copy of the same bytes (read N*H, write T*H is not a copy; use
