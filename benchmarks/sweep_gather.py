@@ -119,9 +119,59 @@ def gather_split_kernel(
     tl.store(ok_ptr + tl.arange(0, 1), tl.zeros((1,), dtype=tl.int32), mask=bad != 0)
 
 
-def _sweep_split_and_fp8(name, t, h, n, y, back, rid, probs, ok, s, ref, record):
-    """The even-split merge and the FP8 (blockwise) merge tiles (``--more``)."""
+@triton.jit
+def gather_r_kernel(
+    inp_ptr,  # (N, H) any float dtype, contiguous
+    out_ptr,  # (T, H) output dtype, contiguous
+    map_ptr,  # (T, 2S+1) int32
+    w_ptr,  # (T, P) merging weights, row stride stride_w (read only if HAS_W)
+    ok_ptr,  # (1,) int32
+    H,
+    S,
+    N_IN,
+    stride_w,
+    P,
+    HAS_W: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    EVICT: tl.constexpr = "",
+    R: tl.constexpr = 2,  # routes whose rows are in flight together
+):
+    """unpermute_gather_kernel with R routes' rows loaded a step, then summed in route
+    order (same sums); no load-ahead of the next step's map entries."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = cols < H
+    mrow = map_ptr + t * (2 * S + 1)
+    n = tl.minimum(tl.load(mrow + 2 * S), S)
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    bad = tl.zeros((1,), dtype=tl.int32) + (n < 0).to(tl.int32)
+    wrow = w_ptr + t * stride_w
+    for s in range(0, n, R):
+        xs = ()
+        ws = ()
+        cs = ()
+        for u in tl.static_range(R):
+            d, w, c = _route(mrow, S, s + u, n, wrow, P, HAS_W)
+            d, m, bad = _checked_row(d, N_IN, hmask, bad, BLOCK_H)
+            live = (cols * 0 + s + u) < n
+            xs = xs + (tl.load(inp_ptr + d * H + cols, mask=m & live, other=0.0,
+                               eviction_policy=EVICT).to(tl.float32),)
+            ws = ws + (w,)
+            cs = cs + (c,)
+        for u in tl.static_range(R):
+            acc2, bad = _merge_add(acc, xs[u], ws[u], cs[u], bad, HAS_W)
+            acc = tl.where((cols * 0 + s + u) < n, acc2, acc)
+    tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=hmask,
+             eviction_policy=EVICT)
+    tl.store(ok_ptr + tl.arange(0, 1), tl.zeros((1,), dtype=tl.int32), mask=bad != 0)
+
+
+def _sweep_split_and_fp8(name, t, h, n, y, back, rid, probs, ok, s, ref, record, quick):
+    """The even-split merge and the FP8 (blockwise) merge tiles (``--more``; ``quick``:
+    the FP8 merge's small tiles only)."""
     rows = []
+    if quick:
+        return rows + _sweep_fp8(name, t, h, n, y, back, rid, probs, ok, s, record, quick)
     for parts in (2, 3, 4):
         chunk = triton.cdiv(h, parts)
         bh = triton.next_power_of_2(chunk)
@@ -137,13 +187,21 @@ def _sweep_split_and_fp8(name, t, h, n, y, back, rid, probs, ok, s, ref, record)
                                 BLOCK_H=triton.next_power_of_2(triton.cdiv(h, 2)))
     rows.append({"config": name, "kernel": "gather_split", "equal_to_op":
                  torch.equal(back, ref)})
+    return rows + _sweep_fp8(name, t, h, n, y, back, rid, probs, ok, s, record, quick)
+
+
+def _sweep_fp8(name, t, h, n, y, back, rid, probs, ok, s, record, quick):
+    """The FP8 (blockwise) merge per tile x warps x cache hint."""
     # the FP8 merge (blockwise rows: fp8 bits + fp32 scale per 128 columns)
     qy = qmoe.quantize(y, qmoe.Blockwise())
     qbits, qs = qy.qdata.view(torch.uint8), qy.raw_scale
     fbytes = n * (h + qs.shape[1] * 4) + t * h * 2 + rid.numel() * 4
     record("moe_unpermute(fp8 blockwise, merging_probs)",
            lambda: qmoe.moe_unpermute(qy, rid, probs), nbytes=fbytes)
-    for bh, nws in ((1024, (1, 2, 4)), (2048, (2, 4, 8)), (4096, (4, 8, 16)), (8192, (8, 16))):
+    fp8_tiles = ((1024, (1, 2, 4)), (2048, (2, 4, 8)), (4096, (4, 8, 16)), (8192, (8, 16)))
+    if quick:
+        fp8_tiles = ((256, (1,)), (512, (1, 2)), (1024, (1, 2)), (2048, (4,)), (4096, (8,)))
+    for bh, nws in fp8_tiles:
         for nw in nws:
             for ev in ("", "evict_first"):
                 record("unpermute_fp8 blockwise", lambda bh=bh, nw=nw, ev=ev:
@@ -152,10 +210,11 @@ def _sweep_split_and_fp8(name, t, h, n, y, back, rid, probs, ok, s, ref, record)
                            probs.stride(0), probs.shape[1], LAYOUT=1, BS=128, MB=3, BIAS=7,
                            HW_CAST=True, HAS_W=True, BLOCK_H=bh, EVICT=ev, num_warps=nw),
                        nbytes=fbytes, BLOCK_H=bh, num_warps=nw, evict=ev)
-    return rows
+    return []
 
 
-def sweep_config(name: str, copy_bw: float, more: bool = False) -> list[dict]:
+def sweep_config(name: str, copy_bw: float, more: bool = False,
+                 quick: bool = False) -> list[dict]:
     rows = []
     t, h, e, k = CONFIGS[name]
     n = t * k
@@ -178,31 +237,37 @@ def sweep_config(name: str, copy_bw: float, more: bool = False) -> list[dict]:
                      "pct_copy_bw": round(pct, 1)})
         print(name, kernel, tile, f"{ms:.4f} ms {pct:.1f}%", file=sys.stderr, flush=True)
 
-    def launch(kernel, bh, nw, ns, ev=""):
+    def launch(kernel, bh, nw, ns, ev="", **extra):
         kernel[(t, triton.cdiv(h, bh))](y, back, rid, probs, ok, h, s, n, probs.stride(0),
                                         probs.shape[1], HAS_W=True, BLOCK_H=bh, EVICT=ev,
-                                        num_warps=nw, num_stages=ns)
+                                        num_warps=nw, num_stages=ns, **extra)
 
     record("moe_unpermute(merging_probs)", lambda: qmoe.moe_unpermute(y, rid, probs))
     wide = ((1024, (1, 2, 4)), (2048, (2, 4, 8)), (4096, (4, 8, 16)), (8192, (8, 16)))
-    small = ((512, (1,)), (1024, (1, 2)), (2048, (2, 4)), (4096, (8,)))
-    for kname, kernel, ev, tiles in (
-            ("gather", unpermute_gather_kernel, "", wide),
-            ("gather evict_first", unpermute_gather_kernel, "evict_first", small),
-            ("gather_pairs", gather_pairs_kernel, "", ((4096, (4, 8)), (8192, (8,)))),
-            ("gather_pairs evict_first", gather_pairs_kernel, "evict_first", small)):
+    small = ((256, (1,)), (512, (1, 2)), (1024, (1, 2)))
+    cases = [("gather", unpermute_gather_kernel, "", wide, {}),
+             ("gather evict_first", unpermute_gather_kernel, "evict_first", small, {}),
+             ("gather_pairs", gather_pairs_kernel, "", ((4096, (4, 8)), (8192, (8,))), {}),
+             ("gather_pairs evict_first", gather_pairs_kernel, "evict_first", small, {})]
+    cases += [(f"gather_r R={r} evict_first", gather_r_kernel, "evict_first", small, {"R": r})
+              for r in (2, 4)]
+    if quick:  # the forms that won on 2026-12-04
+        cases = [c for c in cases if c[3] is small]
+    for kname, kernel, ev, tiles, extra in cases:
         back.fill_(float("nan"))
-        launch(kernel, 4096, 8, 3, ev)
+        launch(kernel, 4096, 8, 3, ev, **extra)
         same = torch.equal(back, ref)
         rows.append({"config": name, "kernel": kname, "equal_to_op": same})
         print(name, kname, "equal to moe_unpermute:", same, file=sys.stderr)
         for bh, nws in tiles:
             for nw in nws:
                 for ns in ((1, 3) if bh == 4096 and tiles is wide else (3,)):
-                    record(kname, lambda kernel=kernel, bh=bh, nw=nw, ns=ns, ev=ev: launch(
-                        kernel, bh, nw, ns, ev), BLOCK_H=bh, num_warps=nw, num_stages=ns)
+                    record(kname, lambda kernel=kernel, bh=bh, nw=nw, ns=ns, ev=ev,
+                           extra=extra: launch(kernel, bh, nw, ns, ev, **extra),
+                           BLOCK_H=bh, num_warps=nw, num_stages=ns)
     if more:
-        rows += _sweep_split_and_fp8(name, t, h, n, y, back, rid, probs, ok, s, ref, record)
+        rows += _sweep_split_and_fp8(name, t, h, n, y, back, rid, probs, ok, s, ref, record,
+                                     quick)
     # the ceiling: a copy of the same bytes (read N*H, write T*H is not a copy; use
     # (N + T) * H / 2 elements each way)
     src = torch.empty((n + t) * h // 2, dtype=x.dtype, device="cuda")
@@ -217,12 +282,15 @@ def main() -> None:
     p.add_argument("--configs", default="dsv3,qwen3")
     p.add_argument("--more", action="store_true",
                    help="also the even-split merge and the FP8 blockwise merge tiles")
+    p.add_argument("--quick", action="store_true",
+                   help="only the small evict-first tiles (the forms that won)")
     a = p.parse_args()
     if not torch.cuda.is_available():
         print("sweep_gather: needs CUDA, skipped")
         return
     copy_bw = copy_bandwidth_gbs()
-    rows = [r for name in a.configs.split(",") for r in sweep_config(name, copy_bw, a.more)]
+    rows = [r for name in a.configs.split(",")
+            for r in sweep_config(name, copy_bw, a.more, a.quick)]
     best = {}
     for r in rows:
         key = f"{r['config']}-{r['kernel']}"

@@ -4,4 +4,4 @@ set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())" | tee $OUT/env.txt
-timeout 300 python3 benchmarks/sweep_gather.py --configs dsv3,gptoss,qwen3 --out $OUT/sweep_gather_evict.json 2>&1 | grep " ms " | grep -v "^[a-z0-9]* gather {"
+timeout 420 python3 benchmarks/sweep_gather.py --quick --more --configs dsv3,gptoss,qwen3,mixtral,qwen3next --out $OUT/sweep_gather_quick.json 2>&1 | grep " ms "
