@@ -31,14 +31,23 @@ def scatter_tile(h: int, itemsize: int, weighted: bool) -> tuple[int, int, int]:
 
 
 def merge_tile(h: int) -> tuple[int, int, str]:
-    """``(BLOCK_H, num_warps, eviction policy)`` of the merge kernels (bf16/fp16/fp32 rows
-    and FP8 rows). A power-of-two H up to 4096 is one tile (8 warps at 4096); any other H
-    goes in 1024-column tiles of 2 warps whose rows stream through L2 evict-first (each
-    byte is touched once). From ``benchmarks/sweep_gather.py [--more]`` on the H200
-    (docs/benchmarks.md, 2026-12-04), kernel alone, % of copy: bf16 dsv3 (H = 7168) 83.0 ->
-    87.5, gptoss (2880) 71.1 -> 79.1; FP8 blockwise dsv3 69.0 -> 77.8, gptoss 56.9 -> 69.9.
-    At H = 4096 and 2048 the one-tile form stays (bf16 qwen3 92.6 vs 90.3, qwen3next 95.2
-    vs 94.0; FP8 qwen3 80.0 vs 77.0, mixtral 69.4 vs 72.8)."""
+    """``(BLOCK_H, num_warps, eviction policy)`` of the bf16/fp16/fp32 merge kernel: 512
+    columns and one warp a program (fewer columns for H < 512), rows streamed through L2
+    evict-first (each byte is touched once). From ``benchmarks/sweep_gather.py --quick`` on
+    the H200 (docs/benchmarks.md, 2026-12-04), kernel alone, % of copy, against the
+    earlier 4096-column tiles of 8 warps: dsv3 93.9 (83.0), qwen3 95.5 (92.6), qwen3next
+    99.2 (95.2, 2048 columns), mixtral 81.6 (77.6), gptoss 83.4 (71.0)."""
+    bh = max(16, min(512, next_pow2(max(h, 1))))
+    return bh, 1, "evict_first"
+
+
+def fp8_merge_tile(h: int) -> tuple[int, int, str]:
+    """``(BLOCK_H, num_warps, eviction policy)`` of the FP8 merge kernel. A power-of-two H
+    up to 4096 is one tile (8 warps at 4096); any other H goes in 1024-column tiles of 2
+    warps with the fp8 rows read evict-first. From ``sweep_gather.py --more`` on the H200
+    (2026-12-04), blockwise kernel alone, % of copy: dsv3 (H = 7168) 69.0 -> 77.8, gptoss
+    (2880) 56.9 -> 69.9; at H = 4096 and 2048 the one tile stays (qwen3 80.0 vs 77.0,
+    qwen3next 88.2 vs 84.6, mixtral 69.4 vs 72.8); 512-column tiles lost 5-20 points."""
     if (h & (h - 1) == 0 and h <= 4096) or h <= 1024:
         bh = max(16, next_pow2(max(h, 1)))
         return bh, max(1, min(8, bh // 512)), ""
@@ -302,7 +311,7 @@ def unpermute_fp8_rows(
     out = torch.empty(t, h, dtype=out_dtype, device=qbits.device)
     if t == 0 or h == 0:
         return out
-    bh, nw, evict = merge_tile(h)
+    bh, nw, evict = fp8_merge_tile(h)
     e4m3 = fp8_dtype == torch.float8_e4m3fn
     if num_slots(rid) == 0:
         return out.zero_()  # no routes: nothing to read

@@ -81,11 +81,11 @@ def test_permute_unpermute_kernels(kdevice, t, h, e, k, kind, extra, map_type):
 
 
 @pytest.mark.parametrize("h", [1025, 2880])
-def test_merge_in_1024_column_tiles(kdevice, h):
-    """H that is not a power of two (or past 4096) merges in 1024-column programs with
-    evict-first rows: several column programs per token, the last one partial."""
-    assert B.merge_tile(h) == (1024, 2, "evict_first")
-    t, e, k = 9, 8, 3
+def test_merge_in_column_tiles(kdevice, h):
+    """Wide rows merge in 512-column programs (evict-first): several column programs per
+    token, the last one partial; 8 routes a token (odd and even counts, the pairs loop)."""
+    assert B.merge_tile(h) == (512, 1, "evict_first")
+    t, e, k = 9, 16, 8
     ids, mask = routing(t, e, k, "sentinels", kdevice)
     n = int(mask.sum()) - 2  # two routes dropped
     rid, _ = make_row_id_map(mask, n, False, 1)
@@ -229,6 +229,11 @@ def test_mask_map_rejects_bad_tiling():
     for bad in (MapTiling(0, 1, 1), MapTiling(4, 1, 0), MapTiling(4, 3, 1)):
         with pytest.raises(ValueError, match="map tiling"):
             _mask_rows_triton(mask, 12, 1, bad)
+
+
+def test_fp8_merge_tiles():
+    assert B.fp8_merge_tile(1100) == (1024, 2, "evict_first")
+    assert B.fp8_merge_tile(4096) == (4096, 8, "")
 
 
 @pytest.mark.parametrize("recipe", [

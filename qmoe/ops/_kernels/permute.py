@@ -290,11 +290,12 @@ def unpermute_gather_kernel(
     P,  # columns of the weights (a route's column >= P is an error; w_ptr holds >= 1)
     HAS_W: tl.constexpr,
     BLOCK_H: tl.constexpr,
-    EVICT: tl.constexpr = "",  # cache hint of the row loads and the store ("evict_first")
+    EVICT: tl.constexpr,  # cache hint of the row loads and the store ("" or "evict_first")
 ):
     """out[t] = sum over t's rows of inp[row] (* weight), accumulated in fp32 in row order.
     A row outside ``[0, N_IN)`` is never read (it adds zero and clears ``ok``), nor a weight
-    column outside ``[0, P)``."""
+    column outside ``[0, P)``. Two routes' rows are in flight a step (loaded together, then
+    added in order), and the next two routes' map entries load while they are."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = cols < H
@@ -303,14 +304,25 @@ def unpermute_gather_kernel(
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
     bad = tl.zeros((1,), dtype=tl.int32) + (n < 0).to(tl.int32)  # (1,): any problem seen
     wrow = w_ptr + t * stride_w
-    d_next, w_next, c_next = _route(mrow, S, 0, n, wrow, P, HAS_W)
-    for s in range(0, n):
-        d, w, cbad = d_next, w_next, c_next
-        d_next, w_next, c_next = _route(mrow, S, s + 1, n, wrow, P, HAS_W)
-        d, lmask, bad = _checked_row(d, N_IN, hmask, bad, BLOCK_H)
-        x = tl.load(inp_ptr + d * H + cols, mask=lmask, other=0.0,
-                    eviction_policy=EVICT).to(tl.float32)
-        acc, bad = _merge_add(acc, x, w, cbad, bad, HAS_W)
+    da, wa, ca = _route(mrow, S, 0, n, wrow, P, HAS_W)
+    db, wb, cb = _route(mrow, S, 1, n, wrow, P, HAS_W)
+    for s in range(0, n, 2):
+        d0, w0, c0 = da, wa, ca
+        d1, w1, c1 = db, wb, cb
+        da, wa, ca = _route(mrow, S, s + 2, n, wrow, P, HAS_W)
+        db, wb, cb = _route(mrow, S, s + 3, n, wrow, P, HAS_W)
+        d0, m0, bad = _checked_row(d0, N_IN, hmask, bad, BLOCK_H)
+        d1, m1, bad = _checked_row(d1, N_IN, hmask, bad, BLOCK_H)
+        # (BLOCK_H,): route s + 1 exists (a vector: the interpreter takes vector masks only;
+        # past the last route, _route repeats route n - 1, which is never added twice)
+        two = (cols * 0 + s + 1) < n
+        x0 = tl.load(inp_ptr + d0 * H + cols, mask=m0, other=0.0,
+                     eviction_policy=EVICT).to(tl.float32)
+        x1 = tl.load(inp_ptr + d1 * H + cols, mask=m1 & two, other=0.0,
+                     eviction_policy=EVICT).to(tl.float32)
+        acc, bad = _merge_add(acc, x0, w0, c0, bad, HAS_W)
+        acc1, bad = _merge_add(acc, x1, w1, c1, bad, HAS_W)
+        acc = tl.where(two, acc1, acc)
     tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=hmask,
              eviction_policy=EVICT)
     tl.store(ok_ptr + tl.arange(0, 1), tl.zeros((1,), dtype=tl.int32), mask=bad != 0)
