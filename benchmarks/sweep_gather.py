@@ -214,7 +214,7 @@ def _sweep_fp8(name, t, h, n, y, back, rid, probs, ok, s, record, quick):
 
 
 def sweep_config(name: str, copy_bw: float, more: bool = False,
-                 quick: bool = False) -> list[dict]:
+                 quick: bool = False, weighted: bool = True) -> list[dict]:
     rows = []
     t, h, e, k = CONFIGS[name]
     n = t * k
@@ -228,7 +228,8 @@ def sweep_config(name: str, copy_bw: float, more: bool = False,
     back = torch.empty(t, h, dtype=x.dtype, device="cuda")
     ok = torch.ones(1, dtype=torch.int32, device="cuda")
     nbytes = (t + n) * h * 2 + rid.numel() * 4
-    ref = qmoe.moe_unpermute(y, rid, probs)
+    merging = probs if weighted else None
+    ref = qmoe.moe_unpermute(y, rid, merging)
 
     def record(kernel, fn, nbytes=nbytes, **tile):
         ms = graph_median_ms(fn, rep=100)
@@ -239,10 +240,11 @@ def sweep_config(name: str, copy_bw: float, more: bool = False,
 
     def launch(kernel, bh, nw, ns, ev="", **extra):
         kernel[(t, triton.cdiv(h, bh))](y, back, rid, probs, ok, h, s, n, probs.stride(0),
-                                        probs.shape[1], HAS_W=True, BLOCK_H=bh, EVICT=ev,
+                                        probs.shape[1], HAS_W=weighted, BLOCK_H=bh, EVICT=ev,
                                         num_warps=nw, num_stages=ns, **extra)
 
-    record("moe_unpermute(merging_probs)", lambda: qmoe.moe_unpermute(y, rid, probs))
+    record(f"moe_unpermute({'merging_probs' if weighted else 'no probs'})",
+           lambda: qmoe.moe_unpermute(y, rid, merging))
     wide = ((1024, (1, 2, 4)), (2048, (2, 4, 8)), (4096, (4, 8, 16)), (8192, (8, 16)))
     small = ((256, (1,)), (512, (1, 2)), (1024, (1, 2)))
     cases = [("gather", unpermute_gather_kernel, "", wide, {}),
@@ -253,6 +255,14 @@ def sweep_config(name: str, copy_bw: float, more: bool = False,
               for r in (2, 4)]
     if quick:  # the forms that won on 2026-12-04
         cases = [c for c in cases if c[3] is small]
+    if not weighted:  # the merge kernel (two routes a step) against one route a step
+        one = ((h, (max(1, min(8, h // 512)),)),) if h & (h - 1) == 0 and h <= 4096 else ()
+        cases = [("gather (pairs)", unpermute_gather_kernel, "evict_first",
+                  ((512, (1,)), (1024, (2,))), {}),
+                 ("gather (pairs)", unpermute_gather_kernel, "", one, {}),
+                 ("gather_r R=1", gather_r_kernel, "", one, {"R": 1}),
+                 ("gather_r R=1 evict_first", gather_r_kernel, "evict_first", ((512, (1,)),),
+                  {"R": 1})]
     for kname, kernel, ev, tiles, extra in cases:
         back.fill_(float("nan"))
         launch(kernel, 4096, 8, 3, ev, **extra)
@@ -282,6 +292,9 @@ def main() -> None:
     p.add_argument("--configs", default="dsv3,qwen3")
     p.add_argument("--more", action="store_true",
                    help="also the even-split merge and the FP8 blockwise merge tiles")
+    p.add_argument("--unweighted", action="store_true",
+                   help="merge without weights (the permute backward): the merge kernel at "
+                        "512 columns and at one tile, against one route a step")
     p.add_argument("--quick", action="store_true",
                    help="only the small evict-first tiles (the forms that won)")
     a = p.parse_args()
@@ -290,7 +303,7 @@ def main() -> None:
         return
     copy_bw = copy_bandwidth_gbs()
     rows = [r for name in a.configs.split(",")
-            for r in sweep_config(name, copy_bw, a.more, a.quick)]
+            for r in sweep_config(name, copy_bw, a.more, a.quick, not a.unweighted)]
     best = {}
     for r in rows:
         key = f"{r['config']}-{r['kernel']}"
