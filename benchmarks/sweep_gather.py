@@ -247,8 +247,9 @@ def sweep_config(name: str, copy_bw: float, more: bool = False,
            lambda: qmoe.moe_unpermute(y, rid, merging))
     wide = ((1024, (1, 2, 4)), (2048, (2, 4, 8)), (4096, (4, 8, 16)), (8192, (8, 16)))
     small = ((256, (1,)), (512, (1, 2)), (1024, (1, 2)))
-    cases = [("gather", unpermute_gather_kernel, "", wide, {}),
-             ("gather evict_first", unpermute_gather_kernel, "evict_first", small, {}),
+    one_route = {"PAIRS": False}
+    cases = [("gather", unpermute_gather_kernel, "", wide, one_route),
+             ("gather evict_first", unpermute_gather_kernel, "evict_first", small, one_route),
              ("gather_pairs", gather_pairs_kernel, "", ((4096, (4, 8)), (8192, (8,))), {}),
              ("gather_pairs evict_first", gather_pairs_kernel, "evict_first", small, {})]
     cases += [(f"gather_r R={r} evict_first", gather_r_kernel, "evict_first", small, {"R": r})
@@ -258,8 +259,8 @@ def sweep_config(name: str, copy_bw: float, more: bool = False,
     if not weighted:  # the merge kernel (two routes a step) against one route a step
         one = ((h, (max(1, min(8, h // 512)),)),) if h & (h - 1) == 0 and h <= 4096 else ()
         cases = [("gather (pairs)", unpermute_gather_kernel, "evict_first",
-                  ((512, (1,)), (1024, (2,))), {}),
-                 ("gather (pairs)", unpermute_gather_kernel, "", one, {}),
+                  ((512, (1,)), (1024, (2,))), {"PAIRS": True}),
+                 ("gather (pairs)", unpermute_gather_kernel, "", one, {"PAIRS": True}),
                  ("gather_r R=1", gather_r_kernel, "", one, {"R": 1}),
                  ("gather_r R=1 evict_first", gather_r_kernel, "evict_first", ((512, (1,)),),
                   {"R": 1})]

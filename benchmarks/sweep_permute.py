@@ -62,7 +62,8 @@ def sweep_config(name: str, copy_bw: float) -> list[dict]:
 
     def gather(bh, nw):
         unpermute_gather_kernel[(t, triton.cdiv(h, bh))](
-            y, back, rid, y, ok, h, s, n, 0, 1, HAS_W=False, BLOCK_H=bh, EVICT="", num_warps=nw)
+            y, back, rid, y, ok, h, s, n, 0, 1, HAS_W=False, BLOCK_H=bh, EVICT="",
+            PAIRS=False, num_warps=nw)
 
     # fp8 rows move as uint8 (1 byte per element): the same kernel on a [T, H] uint8 input.
     xb = x.view(torch.uint8)[:, :h].contiguous()

@@ -30,15 +30,19 @@ def scatter_tile(h: int, itemsize: int, weighted: bool) -> tuple[int, int, int]:
     return bh, nw, 4 if weighted or itemsize == 1 else 8
 
 
-def merge_tile(h: int) -> tuple[int, int, str]:
-    """``(BLOCK_H, num_warps, eviction policy)`` of the bf16/fp16/fp32 merge kernel: 512
-    columns and one warp a program (fewer columns for H < 512), rows streamed through L2
-    evict-first (each byte is touched once). From ``benchmarks/sweep_gather.py --quick`` on
-    the H200 (docs/benchmarks.md, 2026-12-04), kernel alone, % of copy, against the
-    earlier 4096-column tiles of 8 warps: dsv3 93.9 (83.0), qwen3 95.5 (92.6), qwen3next
-    99.2 (95.2, 2048 columns), mixtral 81.6 (77.6), gptoss 83.4 (71.0)."""
-    bh = max(16, min(512, next_pow2(max(h, 1))))
-    return bh, 1, "evict_first"
+def merge_tile(h: int, weighted: bool) -> tuple[int, int, str, bool]:
+    """``(BLOCK_H, num_warps, eviction policy, PAIRS)`` of the bf16/fp16/fp32 merge kernel.
+    Weighted, or at an H that is not a power of two up to 4096: 512 columns and one warp a
+    program (fewer for H < 512), two routes a step, rows streamed through L2 evict-first.
+    Unweighted at a power-of-two H up to 4096: one tile of H columns (8 warps at 4096), one
+    route a step. From ``benchmarks/sweep_gather.py`` on the H200 (docs/benchmarks.md,
+    2026-12-04), kernel alone, % of copy: weighted dsv3 93.9 (83.0 with the earlier 4096
+    columns, 8 warps, one route a step), qwen3 95.5 (92.6), qwen3next 99.2 (95.2), mixtral
+    81.6 (77.6), gptoss 83.4 (71.0); unweighted the one tile stays ahead at qwen3 100.5 vs
+    95.5, qwen3next 103.8 vs 101.9, mixtral 84.3 vs 81.4."""
+    if not weighted and h & (h - 1) == 0 and h <= 4096:
+        return h, max(1, min(8, h // 512)), "", False
+    return max(16, min(512, next_pow2(max(h, 1)))), 1, "evict_first", True
 
 
 def fp8_merge_tile(h: int) -> tuple[int, int, str]:
@@ -185,14 +189,14 @@ def unpermute_rows(
     if t == 0 or h == 0:
         return out
     x = x.contiguous()
-    bh, nw, evict = merge_tile(h)
+    bh, nw, evict, pairs = merge_tile(h, weights is not None)
     if num_slots(rid) == 0:
         return out.zero_()  # no routes: nothing to read
     ok = torch.ones(1, dtype=torch.int32, device=x.device)
     w, p = _weights_arg(weights, x)
     unpermute_gather_kernel[(t, cdiv(h, bh))](
         x, out, rid, w, ok, h, num_slots(rid), x.shape[0], w.stride(0), p,
-        HAS_W=weights is not None, BLOCK_H=bh, EVICT=evict, num_warps=nw,
+        HAS_W=weights is not None, BLOCK_H=bh, EVICT=evict, PAIRS=pairs, num_warps=nw,
     )
     _assert_ok(ok)
     return out

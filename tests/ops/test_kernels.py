@@ -84,7 +84,8 @@ def test_permute_unpermute_kernels(kdevice, t, h, e, k, kind, extra, map_type):
 def test_merge_in_column_tiles(kdevice, h):
     """Wide rows merge in 512-column programs (evict-first): several column programs per
     token, the last one partial; 8 routes a token (odd and even counts, the pairs loop)."""
-    assert B.merge_tile(h) == (512, 1, "evict_first")
+    assert B.merge_tile(h, True) == B.merge_tile(h, False) == (512, 1, "evict_first", True)
+    assert B.merge_tile(4096, False) == (4096, 8, "", False)  # one route a step
     t, e, k = 9, 16, 8
     ids, mask = routing(t, e, k, "sentinels", kdevice)
     n = int(mask.sum()) - 2  # two routes dropped

@@ -291,11 +291,13 @@ def unpermute_gather_kernel(
     HAS_W: tl.constexpr,
     BLOCK_H: tl.constexpr,
     EVICT: tl.constexpr,  # cache hint of the row loads and the store ("" or "evict_first")
+    PAIRS: tl.constexpr,  # two routes a step (else one)
 ):
     """out[t] = sum over t's rows of inp[row] (* weight), accumulated in fp32 in row order.
     A row outside ``[0, N_IN)`` is never read (it adds zero and clears ``ok``), nor a weight
-    column outside ``[0, P)``. Two routes' rows are in flight a step (loaded together, then
-    added in order), and the next two routes' map entries load while they are."""
+    column outside ``[0, P)``. With PAIRS two routes' rows are in flight a step (loaded
+    together, then added in order) and the next two routes' map entries load meanwhile;
+    without, one route a step with the next one's map entry loading meanwhile."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = cols < H
@@ -304,6 +306,28 @@ def unpermute_gather_kernel(
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
     bad = tl.zeros((1,), dtype=tl.int32) + (n < 0).to(tl.int32)  # (1,): any problem seen
     wrow = w_ptr + t * stride_w
+    if PAIRS:
+        acc, bad = _merge_pairs(inp_ptr, mrow, wrow, n, S, P, H, N_IN, cols, hmask, acc, bad,
+                                HAS_W, BLOCK_H, EVICT)
+    else:
+        d_next, w_next, c_next = _route(mrow, S, 0, n, wrow, P, HAS_W)
+        for s in range(0, n):
+            d, w, cbad = d_next, w_next, c_next
+            d_next, w_next, c_next = _route(mrow, S, s + 1, n, wrow, P, HAS_W)
+            d, lmask, bad = _checked_row(d, N_IN, hmask, bad, BLOCK_H)
+            x = tl.load(inp_ptr + d * H + cols, mask=lmask, other=0.0,
+                        eviction_policy=EVICT).to(tl.float32)
+            acc, bad = _merge_add(acc, x, w, cbad, bad, HAS_W)
+    tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=hmask,
+             eviction_policy=EVICT)
+    tl.store(ok_ptr + tl.arange(0, 1), tl.zeros((1,), dtype=tl.int32), mask=bad != 0)
+
+
+@triton.jit
+def _merge_pairs(inp_ptr, mrow, wrow, n, S, P, H, N_IN, cols, hmask, acc, bad,
+                 HAS_W: tl.constexpr, BLOCK_H: tl.constexpr, EVICT: tl.constexpr):
+    """``(acc, bad)`` after adding a token's n routes two a step (``unpermute_gather``'s
+    PAIRS loop; arguments as there, ``mrow`` / ``wrow`` its map and weights rows)."""
     da, wa, ca = _route(mrow, S, 0, n, wrow, P, HAS_W)
     db, wb, cb = _route(mrow, S, 1, n, wrow, P, HAS_W)
     for s in range(0, n, 2):
@@ -323,9 +347,7 @@ def unpermute_gather_kernel(
         acc, bad = _merge_add(acc, x0, w0, c0, bad, HAS_W)
         acc1, bad = _merge_add(acc, x1, w1, c1, bad, HAS_W)
         acc = tl.where(two, acc1, acc)
-    tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=hmask,
-             eviction_policy=EVICT)
-    tl.store(ok_ptr + tl.arange(0, 1), tl.zeros((1,), dtype=tl.int32), mask=bad != 0)
+    return acc, bad
 
 
 @triton.jit
