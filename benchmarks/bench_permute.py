@@ -108,9 +108,11 @@ def run_config(name: str, copy_bw: float, dev: str = "cuda", ops: str = "",
         "make_row_id_map(mask)": (
             lambda: torch.ops.qmoe.make_row_id_map(mask, n, False, 1), map_bytes),
         "permute rows only": (lambda: torch.ops.qmoe.permute(x, rid, None, n), move),
-        "unpermute(merging_probs)": (lambda: qmoe.moe_unpermute(y, rid, probs),
-                                     move + rid.numel() * 4),
-        "unpermute(no probs)": (lambda: qmoe.moe_unpermute(y, rid), move + rid.numel() * 4),
+        # Merges count rows only: a token reads the count and its K slots of its map row
+        # (a few sectors), not the whole [2E+1] row (until 2026-12-04 the whole map was
+        # counted, which overstated qwen3next's merge by 9%).
+        "unpermute(merging_probs)": (lambda: qmoe.moe_unpermute(y, rid, probs), move),
+        "unpermute(no probs)": (lambda: qmoe.moe_unpermute(y, rid), move),
         "permute backward": (lambda: torch.ops.qmoe.unpermute(y, rid, None), move),
         "unpermute backward(probs)": (
             lambda: torch.ops.qmoe.unpermute_backward(g, rid, probs, y, n),

@@ -4,9 +4,11 @@ medians); ``--more`` adds an even split of H over the column programs and the FP
 
     python benchmarks/sweep_gather.py [--out sweep_gather.json] [--configs dsv3,qwen3]
 
-Bytes as in bench_permute.py's "unpermute(merging_probs)": N rows read, T rows written,
-plus the row_id_map. The variant kernel lives here until it wins; it sums the same rows
-in the same order as ``unpermute_gather_kernel`` (bit-identical, checked below).
+Bytes as in bench_permute.py's "unpermute(merging_probs)": N rows read, T rows written
+(runs before 2026-12-04 11:00 UTC also counted the whole row_id_map; docs/benchmarks.md
+gives their figures recomputed from the recorded times). The variant kernels live here
+(the pairs form went into ``unpermute_gather_kernel``); each sums the same rows in the
+same order as it (bit-identical, checked in the run).
 """
 
 from __future__ import annotations
@@ -195,7 +197,7 @@ def _sweep_fp8(name, t, h, n, y, back, rid, probs, ok, s, record, quick):
     # the FP8 merge (blockwise rows: fp8 bits + fp32 scale per 128 columns)
     qy = qmoe.quantize(y, qmoe.Blockwise())
     qbits, qs = qy.qdata.view(torch.uint8), qy.raw_scale
-    fbytes = n * (h + qs.shape[1] * 4) + t * h * 2 + rid.numel() * 4
+    fbytes = n * (h + qs.shape[1] * 4) + t * h * 2
     record("moe_unpermute(fp8 blockwise, merging_probs)",
            lambda: qmoe.moe_unpermute(qy, rid, probs), nbytes=fbytes)
     fp8_tiles = ((1024, (1, 2, 4)), (2048, (2, 4, 8)), (4096, (4, 8, 16)), (8192, (8, 16)))
@@ -227,7 +229,7 @@ def sweep_config(name: str, copy_bw: float, more: bool = False,
     y = torch.randn(n, h, dtype=x.dtype, device="cuda")
     back = torch.empty(t, h, dtype=x.dtype, device="cuda")
     ok = torch.ones(1, dtype=torch.int32, device="cuda")
-    nbytes = (t + n) * h * 2 + rid.numel() * 4
+    nbytes = (t + n) * h * 2  # rows only, as bench_permute's merges
     merging = probs if weighted else None
     ref = qmoe.moe_unpermute(y, rid, merging)
 
