@@ -6,9 +6,10 @@ medians); ``--more`` adds an even split of H over the column programs and the FP
 
 Bytes as in bench_permute.py's "unpermute(merging_probs)": N rows read, T rows written
 (runs before 2026-12-04 11:00 UTC also counted the whole row_id_map; docs/benchmarks.md
-gives their figures recomputed from the recorded times). The variant kernels live here
-(the pairs form went into ``unpermute_gather_kernel``); each sums the same rows in the
-same order as it (bit-identical, checked in the run).
+gives their figures recomputed from the recorded times). The variant kernels live here;
+the two-routes-a-step form ("gather_pairs", a kernel of its own here until e66917c) is
+now ``unpermute_gather_kernel``'s PAIRS. Each sums the same rows in the same order
+(bit-identical, checked in the run).
 """
 
 from __future__ import annotations
@@ -35,52 +36,6 @@ from qmoe.ops._kernels.permute import (  # noqa: E402
     unpermute_gather_kernel,
 )
 from qmoe.ops.row_id_map import num_slots  # noqa: E402
-
-
-@triton.jit
-def gather_pairs_kernel(
-    inp_ptr,  # (N, H) any float dtype, contiguous
-    out_ptr,  # (T, H) output dtype, contiguous
-    map_ptr,  # (T, 2S+1) int32
-    w_ptr,  # (T, P) merging weights, row stride stride_w (read only if HAS_W)
-    ok_ptr,  # (1,) int32
-    H,
-    S,
-    N_IN,
-    stride_w,
-    P,
-    HAS_W: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    EVICT: tl.constexpr = "",
-):
-    """unpermute_gather_kernel with two routes' rows in flight a step (same sum order)."""
-    t = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    hmask = cols < H
-    mrow = map_ptr + t * (2 * S + 1)
-    n = tl.minimum(tl.load(mrow + 2 * S), S)
-    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    bad = tl.zeros((1,), dtype=tl.int32) + (n < 0).to(tl.int32)
-    wrow = w_ptr + t * stride_w
-    da, wa, ca = _route(mrow, S, 0, n, wrow, P, HAS_W)
-    db, wb, cb = _route(mrow, S, 1, n, wrow, P, HAS_W)
-    for s in range(0, n, 2):
-        d0, w0, c0 = da, wa, ca
-        d1, w1, c1 = db, wb, cb
-        da, wa, ca = _route(mrow, S, s + 2, n, wrow, P, HAS_W)
-        db, wb, cb = _route(mrow, S, s + 3, n, wrow, P, HAS_W)
-        d0, m0, bad = _checked_row(d0, N_IN, hmask, bad, BLOCK_H)
-        d1, m1, bad = _checked_row(d1, N_IN, hmask, bad, BLOCK_H)
-        two = (cols * 0 + s + 1) < n  # (BLOCK_H,): a vector (the interpreter's masks)
-        x0 = tl.load(inp_ptr + d0 * H + cols, mask=m0, other=0.0,
-                     eviction_policy=EVICT).to(tl.float32)
-        x1 = tl.load(inp_ptr + d1 * H + cols, mask=m1 & two, other=0.0,
-                     eviction_policy=EVICT).to(tl.float32)
-        acc, bad = _merge_add(acc, x0, w0, c0, bad, HAS_W)
-        acc2, bad = _merge_add(acc, x1, w1, c1, bad, HAS_W)
-        acc = tl.where(two, acc2, acc)
-    tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=hmask)
-    tl.store(ok_ptr + tl.arange(0, 1), tl.zeros((1,), dtype=tl.int32), mask=bad != 0)
 
 
 @triton.jit
@@ -252,8 +207,10 @@ def sweep_config(name: str, copy_bw: float, more: bool = False,
     one_route = {"PAIRS": False}
     cases = [("gather", unpermute_gather_kernel, "", wide, one_route),
              ("gather evict_first", unpermute_gather_kernel, "evict_first", small, one_route),
-             ("gather_pairs", gather_pairs_kernel, "", ((4096, (4, 8)), (8192, (8,))), {}),
-             ("gather_pairs evict_first", gather_pairs_kernel, "evict_first", small, {})]
+             ("gather_pairs", unpermute_gather_kernel, "", ((4096, (4, 8)), (8192, (8,))),
+              {"PAIRS": True}),
+             ("gather_pairs evict_first", unpermute_gather_kernel, "evict_first", small,
+              {"PAIRS": True})]
     cases += [(f"gather_r R={r} evict_first", gather_r_kernel, "evict_first", small, {"R": r})
               for r in (2, 4)]
     if quick:  # the forms that won on 2026-12-04

@@ -36,22 +36,23 @@ def merge_tile(h: int, weighted: bool) -> tuple[int, int, str, bool]:
     program (fewer for H < 512), two routes a step, rows streamed through L2 evict-first.
     Unweighted at a power-of-two H up to 4096: one tile of H columns (8 warps at 4096), one
     route a step. From ``benchmarks/sweep_gather.py`` on the H200 (docs/benchmarks.md,
-    2026-12-04), kernel alone, % of copy: weighted dsv3 93.9 (83.0 with the earlier 4096
-    columns, 8 warps, one route a step), qwen3 95.5 (92.6), qwen3next 99.2 (95.2), mixtral
-    81.6 (77.6), gptoss 83.4 (71.0); unweighted the one tile stays ahead at qwen3 100.5 vs
-    95.5, qwen3next 103.8 vs 101.9, mixtral 84.3 vs 81.4."""
+    2026-12-04), kernel alone, % of copy: weighted dsv3 92.5 (81.7 with the earlier 4096
+    columns, 8 warps, one route a step), qwen3 94.2 (91.3), qwen3next 90.9 (87.3), mixtral
+    81.4 (77.1), gptoss 80.5 (68.6); unweighted the one tile stays ahead at qwen3 99.1 vs
+    94.2, qwen3next 95.2 vs 93.4, mixtral 84.1 vs 81.2."""
     if not weighted and h & (h - 1) == 0 and h <= 4096:
-        return h, max(1, min(8, h // 512)), "", False
+        return max(16, h), max(1, min(8, h // 512)), "", False
     return max(16, min(512, next_pow2(max(h, 1)))), 1, "evict_first", True
 
 
 def fp8_merge_tile(h: int) -> tuple[int, int, str]:
     """``(BLOCK_H, num_warps, eviction policy)`` of the FP8 merge kernel. A power-of-two H
     up to 4096 is one tile (8 warps at 4096); any other H goes in 1024-column tiles of 2
-    warps with the fp8 rows read evict-first. From ``sweep_gather.py --more`` on the H200
-    (2026-12-04), blockwise kernel alone, % of copy: dsv3 (H = 7168) 69.0 -> 77.8, gptoss
-    (2880) 56.9 -> 69.9; at H = 4096 and 2048 the one tile stays (qwen3 80.0 vs 77.0,
-    qwen3next 88.2 vs 84.6, mixtral 69.4 vs 72.8); 512-column tiles lost 5-20 points."""
+    warps with the fp8 rows read evict-first. From ``sweep_gather.py --quick --more`` on the
+    H200 (2026-12-04), blockwise kernel alone, % of copy: dsv3 (H = 7168) 66.9 -> 75.5,
+    gptoss (2880) 53.7 -> 65.4; at H = 4096 and 2048 the one tile stays (qwen3 78.3 vs
+    75.2, qwen3next 75.8 vs 72.8; mixtral 68.6 vs 72.2 is the exception left alone);
+    512-column tiles lost 7-16 points."""
     if (h & (h - 1) == 0 and h <= 4096) or h <= 1024:
         bh = max(16, next_pow2(max(h, 1)))
         return bh, max(1, min(8, bh // 512)), ""

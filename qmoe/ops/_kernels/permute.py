@@ -420,7 +420,7 @@ def unpermute_fp8_kernel(
     HW_CAST: tl.constexpr,
     HAS_W: tl.constexpr,
     BLOCK_H: tl.constexpr,
-    EVICT: tl.constexpr = "",  # cache hint of the fp8 row loads and the store
+    EVICT: tl.constexpr,  # cache hint of the fp8 row loads and the store ("" or "evict_first")
 ):
     """The merge of quantized rows: each row is dequantized in registers (fp8 value times
     its block's scale, fp32) and summed in fp32 in row order, as ``unpermute_gather``."""
