@@ -162,7 +162,8 @@ def run_config(name: str, copy_bw: float, dev: str = "cuda", ops: str = "",
         print(f"{name:>9} {case:>28}: graph {ms:8.4f} ms {100 * gbs / copy_bw:5.1f}% "
               f"of copy; eager {ms_eager * 1e3:9.1f} us"
               + (f"; same-bytes copy {rows[-1]['same_bytes_copy_ms']:.4f} ms = "
-                 f"op at {rows[-1]['pct_same_bytes_copy']:.1f}% of it" if ceiling else ""),
+                 f"op at {rows[-1]['pct_same_bytes_copy']:.1f}% of it"
+                 if "same_bytes_copy_ms" in rows[-1] else ""),
               file=sys.stderr)
     return rows
 

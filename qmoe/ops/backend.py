@@ -40,8 +40,8 @@ def merge_tile(h: int, weighted: bool) -> tuple[int, int, str, bool]:
     columns, 8 warps, one route a step), qwen3 94.2 (91.3), qwen3next 90.9 (87.3), mixtral
     81.4 (77.1), gptoss 80.5 (68.6); unweighted the one tile stays ahead at qwen3 99.1 vs
     94.2, qwen3next 95.2 vs 93.4, mixtral 84.1 vs 81.2."""
-    if not weighted and h & (h - 1) == 0 and h <= 4096:
-        return max(16, h), max(1, min(8, h // 512)), "", False
+    if not weighted and _one_tile_fits(h):
+        return *_one_tile(h), "", False
     return max(16, min(512, next_pow2(max(h, 1)))), 1, "evict_first", True
 
 
@@ -53,10 +53,21 @@ def fp8_merge_tile(h: int) -> tuple[int, int, str]:
     gptoss (2880) 53.7 -> 65.4; at H = 4096 and 2048 the one tile stays (qwen3 78.3 vs
     75.2, qwen3next 75.8 vs 72.8; mixtral 68.6 vs 72.2 is the exception left alone);
     512-column tiles lost 7-16 points."""
-    if (h & (h - 1) == 0 and h <= 4096) or h <= 1024:
-        bh = max(16, next_pow2(max(h, 1)))
-        return bh, max(1, min(8, bh // 512)), ""
+    if _one_tile_fits(h) or h <= 1024:
+        return *_one_tile(h), ""
     return 1024, 2, "evict_first"
+
+
+def _one_tile_fits(h: int) -> bool:
+    """A merge row of H columns is one power-of-two tile of at most 4096 columns."""
+    return h & (h - 1) == 0 and h <= 4096
+
+
+def _one_tile(h: int) -> tuple[int, int]:
+    """``(BLOCK_H, num_warps)`` of a merge program over a whole row of H columns (at least
+    16 columns; a warp per 512, 1 to 8)."""
+    bh = max(16, next_pow2(max(h, 1)))
+    return bh, max(1, min(8, bh // 512))
 
 
 def _routes(rid: torch.Tensor):

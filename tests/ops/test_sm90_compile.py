@@ -110,7 +110,7 @@ def _launches():
     y = torch.randn(n, h, dtype=torch.bfloat16)
     for w in (None, probs):
         B.unpermute_rows(y, rid, w, use_triton=True)
-    B.unpermute_rows(y.repeat(1, 5)[:, :1100], rid, probs, use_triton=True)  # evict_first
+    B.unpermute_rows(y.repeat(1, 5)[:, :1100], rid, probs, use_triton=True)  # 512 columns
     B.merge_weight_grad(x, y, rid, e, use_triton=True)
     B.gather_rows(y, torch.arange(n), use_triton=True)
     for recipe in (qmoe.PerTensor(), qmoe.Blockwise(), qmoe.MXFP8(),
