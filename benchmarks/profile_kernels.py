@@ -5,9 +5,10 @@
 For each config and case, the call is captured in a CUDA graph and replayed under
 ``torch.profiler``; per kernel: its median duration; per replay: the span from the first
 kernel's start to the last one's end (so launch gaps between kernels count) and the sum
-of kernel durations. Next to them, a copy of the same bytes (half read, half written,
-one ``copy_``) replayed alike: the ceiling for an op of that size, which is below the
-1 GiB copy that ``bench_permute.py``'s percentages use. Nothing here decides a default.
+of kernel durations (one-element fills and asserts included). Next to them, a copy of the
+same bytes (half read, half written, one ``copy_``) replayed alike: the ceiling for an op
+of that size, which is below the 1 GiB copy that ``bench_permute.py``'s percentages use.
+Nothing here decides a default.
 """
 
 from __future__ import annotations
@@ -39,12 +40,12 @@ def profile_graph(fn, replays: int) -> dict:
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(replays):
-            flush.zero_()  # cold L2, as do_bench runs it
+            flush.bitwise_not_()  # cold L2, as do_bench's zero_ (a kernel named apart)
             torch.cuda.synchronize()
             g.replay()
             torch.cuda.synchronize()
     kernels = [ev for ev in prof.events() if ev.device_type.name == "CUDA"
-               and "fill" not in ev.name.lower() and "memset" not in ev.name.lower()]
+               and "bitwise_not" not in ev.name.lower()]
     # events in replay order; group them per replay by the order of kernel names
     kernels.sort(key=lambda ev: ev.time_range.start)
     per_launch = len(kernels) // replays
@@ -63,13 +64,15 @@ def profile_graph(fn, replays: int) -> dict:
             "kernel_sum_us": round(statistics.median(sums), 2) if sums else None}
 
 
-def run_config(name: str, replays: int) -> list[dict]:
+def run_config(name: str, replays: int, picks=()) -> list[dict]:
     t, h, e, k = CONFIGS[name]
     n = t * k
     x = torch.randn(t, h, dtype=torch.bfloat16, device="cuda")
     ids = torch.rand(t, e, device="cuda").argsort(dim=1)[:, :k].contiguous()
     mask = torch.zeros(t, e, dtype=torch.bool, device="cuda").scatter_(1, ids, True)
     _, rid = qmoe.moe_permute(x, mask, n)
+    y = torch.randn(n, h, dtype=torch.bfloat16, device="cuda")
+    probs = torch.rand(t, e, device="cuda") * mask
     recipe = FP8_RECIPES["blockwise128"]
     q = qmoe.quantize(x, recipe)
     per_row = h + q.raw_scale[0].numel() * 4
@@ -79,11 +82,15 @@ def run_config(name: str, replays: int) -> list[dict]:
                                         (t + n) * per_row),
         "fp8 blockwise permute rows only": (lambda: torch.ops.qmoe.permute(q, rid, None, n),
                                             (t + n) * per_row),
+        "bf16 unpermute(merging_probs)": (
+            lambda: qmoe.moe_unpermute(y, rid, merging_probs=probs), (t + n) * h * 2),
         "fused blockwise quantize+permute(mask)": (
             lambda: qmoe.moe_permute(x, mask, n, quantize=recipe), t * h * 2 + n * per_row),
     }
     rows = []
     for case, (fn, nbytes) in cases.items():
+        if picks and not any(p in case for p in picks):
+            continue
         src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
         dst = torch.empty_like(src)
         copy = profile_graph(lambda src=src, dst=dst: dst.copy_(src), replays)
@@ -99,12 +106,13 @@ def run_config(name: str, replays: int) -> list[dict]:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--configs", default="dsv3,qwen3,qwen3next,mixtral,gptoss")
+    p.add_argument("--cases", default="", help="comma list of case-name substrings")
     p.add_argument("--replays", type=int, default=20)
     p.add_argument("--out", default=None)
     a = p.parse_args()
     rows = []
     for name in a.configs.split(","):
-        rows += run_config(name, a.replays)
+        rows += run_config(name, a.replays, [c for c in a.cases.split(",") if c])
     write_json(a.out, {"bench": "profile_kernels", "env": env_info(), "results": rows})
 
 

@@ -8,6 +8,13 @@ fused kernel (``--warps``) x tokens per program (``--tokens``), bf16 rows and FP
 rows; next to them the two-step path (``make_row_id_map`` then the scatter) and the
 scatter alone on a prebuilt map, measured in the same run. % is of the measured copy
 bandwidth, bytes as in ``bench_permute.py``.
+
+``--block-h`` adds fused cases at other columns a program; ``--ceiling`` adds what the op's
+bytes cost without a map: a copy of the same bytes, and a kernel that writes each row K
+times (to consecutive rows, and to rows in a random order: the scatter's access pattern
+with its destinations precomputed). ``--chain R`` captures R calls on R distinct inputs in
+one graph and reports the time per call (the graph launch and each call's ramp-up shared
+out: a steady-state rate, next to the single call's). ``--rows fp8`` skips the bf16 rows.
 """
 
 from __future__ import annotations
@@ -17,13 +24,15 @@ import os
 import sys
 
 import torch
+import triton
+import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_permute import CONFIGS  # noqa: E402
 from common import copy_bandwidth_gbs, env_info, graph_median_ms, write_json  # noqa: E402
 
-from qmoe.ops.backend import permute_rows  # noqa: E402
+from qmoe.ops.backend import permute_rows, scatter_tile  # noqa: E402
 from qmoe.ops.permute_mask import fused_map_tiling, permute_mask_triton  # noqa: E402
 from qmoe.ops.quantize_permute import (  # noqa: E402
     quantize_permute_mask_triton,
@@ -32,54 +41,130 @@ from qmoe.ops.quantize_permute import (  # noqa: E402
 from qmoe.ops.row_id_map import MapTiling, make_row_id_map  # noqa: E402
 
 
+@triton.jit
+def broadcast_kernel(
+    x_ptr,  # (T, H) rows, contiguous
+    out_ptr,  # (N, H) same dtype
+    dest_ptr,  # (T, K) int64: the output rows of each token
+    side_ptr,  # (T, NS) side rows (read only if HAS_SIDE)
+    side_out_ptr,  # (N, NS)
+    H,
+    NS,
+    K: tl.constexpr,
+    HAS_SIDE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """The ceiling of a scatter: token t's row to rows ``dest[t]``, no map to read."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hm = cols < H
+    x = tl.load(x_ptr + t * H + cols, mask=hm)
+    d = tl.load(dest_ptr + t * K + tl.arange(0, K))
+    tl.store(out_ptr + d[:, None] * H + cols[None, :], tl.broadcast_to(x[None, :], (K, BLOCK_H)),
+             mask=hm[None, :])
+    if HAS_SIDE and tl.program_id(1) == 0:
+        sc = tl.arange(0, BLOCK_S)
+        sm = sc < NS
+        s = tl.load(side_ptr + t * NS + sc, mask=sm)
+        tl.store(side_out_ptr + d[:, None] * NS + sc[None, :],
+                 tl.broadcast_to(s[None, :], (K, BLOCK_S)), mask=sm[None, :])
+
+
+def broadcast(x, dest, out, side=None, side_out=None):
+    t, h = x.shape
+    k = dest.shape[1]
+    bh, nw, _ = scatter_tile(h, x.element_size(), False)
+    ns = side.shape[1] if side is not None else 0
+    broadcast_kernel[(t, -(-h // bh))](x, out, dest, side, side_out, h, ns, K=k,
+                                       HAS_SIDE=side is not None, BLOCK_H=bh,
+                                       BLOCK_S=triton.next_power_of_2(max(ns, 1)), num_warps=nw)
+    return out
+
+
+def chained(fn, inputs):
+    """One call per input (``fn(*inp)``), all in one graph."""
+    def run():
+        for args in inputs:
+            fn(*args)
+    return run
+
+
 def two_step(x, mask, n, side=None, side_out=None):
     rid, fill = make_row_id_map(mask, n, False, 1)
     return permute_rows(x, rid, n, fill=fill, side=side, side_out=side_out), rid
 
 
 def run_config(name: str, copy_bw: float, block_ts, warps, tokens=(1,), quant_tiles=(),
-               reg_routes=(None,)) -> list[dict]:
+               reg_routes=(None,), block_hs=(), ceiling=False, chain=1,
+               kinds=("bf16", "fp8")) -> list[dict]:
     t, h, e, k = CONFIGS[name]
     n = t * k
     ids = torch.rand(t, e, device="cuda").argsort(dim=1)[:, :k]
     mask = torch.zeros(t, e, dtype=torch.bool, device="cuda").scatter_(1, ids, True)
     rows = []
-    default = fused_map_tiling(t, e)
-    nb = -(-h // 128)
-    for dname, x, side in (
-        ("bf16", torch.randn(t, h, dtype=torch.bfloat16, device="cuda"), None),
-        # FP8 blockwise rows: the fp8 bits as uint8 and the fp32 scale row as side rows
-        ("fp8+scales", torch.randint(0, 255, (t, h), dtype=torch.uint8, device="cuda"),
-         torch.rand(t, nb, device="cuda")),
-    ):
-        row = h * x.element_size() + (nb * 4 if side is not None else 0)
-        nbytes = (t + n) * row + mask.numel() + rid_bytes(mask)
-        rid, fill = make_row_id_map(mask, n, False, 1)
-        so = torch.empty(n, nb, device="cuda") if side is not None else None
-        cases = {
-            "two-step": lambda x=x, side=side, so=so: two_step(x, mask, n, side, so),
-            "scatter alone": lambda x=x, rid=rid, fill=fill, side=side, so=so: permute_rows(
-                x, rid, n, fill=fill, side=side, side_out=so),
-            "fused default": lambda x=x, side=side: permute_mask_triton(x, mask, n, 1,
-                                                                        side=side),
-        }
-        for bt in block_ts:
-            for nw in warps:
-                for tp in tokens:
-                    for rr in reg_routes:
-                        til = MapTiling(bt, default.num_warps, default.prefetch)
-                        cases[f"fused bt={bt} warps={nw} tokens={tp} reg={rr}"] = (
-                            lambda x=x, side=side, til=til, nw=nw, tp=tp, rr=rr:
-                            permute_mask_triton(x, mask, n, 1, side=side, tiling=til,
-                                                num_warps=nw, tokens=tp, reg_routes=rr))
-        for case, fn in cases.items():
-            ms = graph_median_ms(fn)
-            pct = 100 * nbytes / (ms * 1e-3) / 1e9 / copy_bw
-            rows.append({"config": name, "rows": dname, "case": case, "graph_ms": round(ms, 4),
-                         "pct_copy_bw": round(pct, 1)})
-            print(f"{name:>9} {dname} {case:>24}: {ms:8.4f} ms {pct:5.1f}%", file=sys.stderr)
+    for dname in kinds:
+        rows += run_rows(name, dname, mask, copy_bw, block_ts, warps, tokens, reg_routes,
+                         block_hs, ceiling, chain)
     if quant_tiles:
         rows += quantize_cases(name, mask, n, copy_bw, quant_tiles, warps, reg_routes)
+    return rows
+
+
+def run_rows(name, dname, mask, copy_bw, block_ts, warps, tokens, reg_routes, block_hs,
+             ceiling, chain) -> list[dict]:
+    """One config's cases for bf16 rows or FP8 rows (the fp8 bits as uint8 and the fp32
+    blockwise scale row as side rows)."""
+    t, h, e, k = CONFIGS[name]
+    n = t * k
+    default = fused_map_tiling(t, e)
+    nb = -(-h // 128)
+    rows = []
+    inputs = [(torch.randn(t, h, dtype=torch.bfloat16, device="cuda"), None)
+              if dname == "bf16" else
+              (torch.randint(0, 255, (t, h), dtype=torch.uint8, device="cuda"),
+               torch.rand(t, nb, device="cuda")) for _ in range(chain)]
+    x, side = inputs[0]
+    row = h * x.element_size() + (nb * 4 if side is not None else 0)
+    nbytes = (t + n) * row + mask.numel() + rid_bytes(mask)
+    rid, fill = make_row_id_map(mask, n, False, 1)
+    so = torch.empty(n, nb, device="cuda") if side is not None else None
+    cases = {
+        "two-step": lambda x, side: two_step(x, mask, n, side, so),
+        "scatter alone": lambda x, side: permute_rows(x, rid, n, fill=fill, side=side,
+                                                      side_out=so),
+        "fused default": lambda x, side: permute_mask_triton(x, mask, n, 1, side=side),
+    }
+    for bt in block_ts:
+        for nw in warps:
+            for tp in tokens:
+                for rr in reg_routes:
+                    for bh in block_hs or (None,):
+                        til = MapTiling(bt, default.num_warps, default.prefetch)
+                        cases[f"fused bt={bt} warps={nw} tokens={tp} reg={rr} bh={bh}"] = (
+                            lambda x, side, til=til, nw=nw, tp=tp, rr=rr, bh=bh:
+                            permute_mask_triton(x, mask, n, 1, side=side, tiling=til,
+                                                num_warps=nw, tokens=tp, reg_routes=rr,
+                                                block_h=bh))
+    if ceiling:
+        out = x.new_empty(n, h)
+        seq = torch.arange(n, device="cuda").view(t, k)
+        rnd = torch.randperm(n, device="cuda").view(t, k)
+        # one source and destination per chained call, as the op's inputs
+        bufs = {id(xi): torch.empty(2, nbytes // 2, dtype=torch.uint8, device="cuda")
+                for xi, _ in inputs}
+        cases["ceiling: same-bytes copy"] = lambda x, side: bufs[id(x)][1].copy_(bufs[id(x)][0])
+        cases["ceiling: K copies, consecutive rows"] = (
+            lambda x, side: broadcast(x, seq, out, side, so))
+        cases["ceiling: K copies, random rows"] = (
+            lambda x, side: broadcast(x, rnd, out, side, so))
+    for case, fn in cases.items():
+        ms = graph_median_ms(chained(fn, inputs)) / chain
+        pct = 100 * nbytes / (ms * 1e-3) / 1e9 / copy_bw
+        rows.append({"config": name, "rows": dname, "case": case, "chain": chain,
+                     "graph_ms": round(ms, 4), "pct_copy_bw": round(pct, 1)})
+        print(f"{name:>9} {dname} {case:>24} chain={chain}: {ms:8.4f} ms {pct:5.1f}%",
+              file=sys.stderr)
     return rows
 
 
@@ -130,6 +215,12 @@ def main() -> None:
     p.add_argument("--quant-tiles", default="",
                    help="also the fused blockwise quantize-permute of a mask, per row tile "
                         "(elements a program) x warps (bytes: bf16 in, fp8 + scales out)")
+    p.add_argument("--block-h", default="", help="comma list: fused cases at these columns "
+                   "a program (default: the launcher's)")
+    p.add_argument("--ceiling", action="store_true",
+                   help="also a same-bytes copy and the K-copies kernels (no map)")
+    p.add_argument("--chain", default="1", help="comma list: calls per graph (distinct inputs)")
+    p.add_argument("--rows", default="bf16,fp8", help="row kinds: bf16, fp8 (+ fp32 scales)")
     a = p.parse_args()
     if not torch.cuda.is_available():
         print("sweep_permute_mask: CUDA not available")
@@ -137,12 +228,15 @@ def main() -> None:
     copy_bw = copy_bandwidth_gbs()
     rows = []
     for name in a.configs.split(","):
-        rows += run_config(name, copy_bw, [int(v) for v in a.block_t.split(",")],
-                           [int(v) for v in a.warps.split(",")],
-                           [int(v) for v in a.tokens.split(",")],
-                           [int(v) for v in a.quant_tiles.split(",") if v],
-                           [None if v == "auto" else bool(int(v))
-                            for v in a.reg_routes.split(",")])
+        for chain in (int(v) for v in a.chain.split(",")):
+            rows += run_config(name, copy_bw, [int(v) for v in a.block_t.split(",")],
+                               [int(v) for v in a.warps.split(",")],
+                               [int(v) for v in a.tokens.split(",")],
+                               [int(v) for v in a.quant_tiles.split(",") if v],
+                               [None if v == "auto" else bool(int(v))
+                                for v in a.reg_routes.split(",")],
+                               [int(v) for v in a.block_h.split(",") if v], a.ceiling, chain,
+                               a.rows.split(","))
         write_json(a.out, {"bench": "sweep_permute_mask", "env": env_info(),
                            "copy_GB/s": round(copy_bw, 1), "results": rows})
 

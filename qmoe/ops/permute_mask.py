@@ -68,6 +68,7 @@ def permute_mask_triton(
     num_warps: int | None = None,
     tokens: int | None = None,
     reg_routes: bool | None = None,
+    block_h: int | None = None,
     out: torch.Tensor | None = None,
 ):
     """``(out [N, H], permuted_probs [N] or empty, side_out [N, NS] or empty, row_id_map
@@ -75,7 +76,8 @@ def permute_mask_triton(
     interpreter), as ``make_row_id_map`` then ``permute_rows``. ``one_launch`` forces the
     SMALL form on or off; ``tiling`` overrides ``fused_map_tiling`` (its block and warps
     set the count pass), ``num_warps`` the fused kernel's ``FUSED_WARPS``, ``tokens`` its
-    tokens per program (default 1; must divide the count block); ``out``
+    tokens per program (default 1; must divide the count block), ``block_h`` its
+    columns a program (default ``scatter_tile``'s; benchmarks); ``out``
     (tests: poisoned) receives the rows. No host sync."""
     from qmoe.ops._kernels.permute_mask import permute_mask_kernel
 
@@ -100,6 +102,7 @@ def permute_mask_triton(
     be = next_pow2(e)
     bt, map_warps, _ = tiling or fused_map_tiling(t, e)
     bh, _, kb = scatter_tile(h, x.element_size(), False)
+    bh = block_h or bh
     nw = num_warps or FUSED_WARPS
     small = one_launch if one_launch is not None else small_mask(m)
     before, total = (None, None) if small else block_counts(m, bt, map_warps)
