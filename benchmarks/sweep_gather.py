@@ -32,10 +32,14 @@ from qmoe.ops._kernels.permute import (  # noqa: E402
     _checked_row,
     _merge_add,
     _route,
+    check_routes,
     unpermute_fp8_kernel,
     unpermute_gather_kernel,
 )
 from qmoe.ops.row_id_map import num_slots  # noqa: E402
+
+#: Launch options of the merge kernels, as the launchers pass them (check_routes' assert)
+CHECKED = {"debug": True, "sanitize_overflow": False}
 
 
 @triton.jit
@@ -44,7 +48,6 @@ def gather_split_kernel(
     out_ptr,  # (T, H) output dtype, contiguous
     map_ptr,  # (T, 2S+1) int32
     w_ptr,  # (T, P) merging weights, row stride stride_w (read only if HAS_W)
-    ok_ptr,  # (1,) int32
     H,
     S,
     N_IN,
@@ -73,7 +76,7 @@ def gather_split_kernel(
         x = tl.load(inp_ptr + d * H + cols, mask=lmask, other=0.0).to(tl.float32)
         acc, bad = _merge_add(acc, x, w, cbad, bad, HAS_W)
     tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=hmask)
-    tl.store(ok_ptr + tl.arange(0, 1), tl.zeros((1,), dtype=tl.int32), mask=bad != 0)
+    check_routes(bad)
 
 
 @triton.jit
@@ -82,7 +85,6 @@ def gather_r_kernel(
     out_ptr,  # (T, H) output dtype, contiguous
     map_ptr,  # (T, 2S+1) int32
     w_ptr,  # (T, P) merging weights, row stride stride_w (read only if HAS_W)
-    ok_ptr,  # (1,) int32
     H,
     S,
     N_IN,
@@ -120,34 +122,34 @@ def gather_r_kernel(
             acc = tl.where((cols * 0 + s + u) < n, acc2, acc)
     tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=hmask,
              eviction_policy=EVICT)
-    tl.store(ok_ptr + tl.arange(0, 1), tl.zeros((1,), dtype=tl.int32), mask=bad != 0)
+    check_routes(bad)
 
 
-def _sweep_split_and_fp8(name, t, h, n, y, back, rid, probs, ok, s, ref, record, quick):
+def _sweep_split_and_fp8(name, t, h, n, y, back, rid, probs, s, ref, record, quick):
     """The even-split merge and the FP8 (blockwise) merge tiles (``--more``; ``quick``:
     the FP8 merge's small tiles only)."""
     rows = []
     if quick:
-        return rows + _sweep_fp8(name, t, h, n, y, back, rid, probs, ok, s, record, quick)
+        return rows + _sweep_fp8(name, t, h, n, y, back, rid, probs, s, record, quick)
     for parts in (2, 3, 4):
         chunk = triton.cdiv(h, parts)
         bh = triton.next_power_of_2(chunk)
         for nw in (4, 8):
             record("gather_split", lambda chunk=chunk, bh=bh, nw=nw, parts=parts:
                    gather_split_kernel[(t, parts)](
-                       y, back, rid, probs, ok, h, s, n, probs.stride(0), probs.shape[1],
-                       chunk, HAS_W=True, BLOCK_H=bh, num_warps=nw),
+                       y, back, rid, probs, h, s, n, probs.stride(0), probs.shape[1],
+                       chunk, HAS_W=True, BLOCK_H=bh, num_warps=nw, **CHECKED),
                    parts=parts, BLOCK_H=bh, num_warps=nw)
     back.fill_(float("nan"))
-    gather_split_kernel[(t, 2)](y, back, rid, probs, ok, h, s, n, probs.stride(0),
+    gather_split_kernel[(t, 2)](y, back, rid, probs, h, s, n, probs.stride(0),
                                 probs.shape[1], triton.cdiv(h, 2), HAS_W=True,
-                                BLOCK_H=triton.next_power_of_2(triton.cdiv(h, 2)))
+                                BLOCK_H=triton.next_power_of_2(triton.cdiv(h, 2)), **CHECKED)
     rows.append({"config": name, "kernel": "gather_split", "equal_to_op":
                  torch.equal(back, ref)})
-    return rows + _sweep_fp8(name, t, h, n, y, back, rid, probs, ok, s, record, quick)
+    return rows + _sweep_fp8(name, t, h, n, y, back, rid, probs, s, record, quick)
 
 
-def _sweep_fp8(name, t, h, n, y, back, rid, probs, ok, s, record, quick):
+def _sweep_fp8(name, t, h, n, y, back, rid, probs, s, record, quick):
     """The FP8 (blockwise) merge per tile x warps x cache hint."""
     # the FP8 merge (blockwise rows: fp8 bits + fp32 scale per 128 columns)
     qy = qmoe.quantize(y, qmoe.Blockwise())
@@ -163,9 +165,10 @@ def _sweep_fp8(name, t, h, n, y, back, rid, probs, ok, s, record, quick):
             for ev in ("", "evict_first"):
                 record("unpermute_fp8 blockwise", lambda bh=bh, nw=nw, ev=ev:
                        unpermute_fp8_kernel[(t, triton.cdiv(h, bh))](
-                           qbits, qs, back, rid, probs, ok, h, s, n, qs.shape[1],
+                           qbits, qs, back, rid, probs, h, s, n, qs.shape[1],
                            probs.stride(0), probs.shape[1], LAYOUT=1, BS=128, MB=3, BIAS=7,
-                           HW_CAST=True, HAS_W=True, BLOCK_H=bh, EVICT=ev, num_warps=nw),
+                           HW_CAST=True, HAS_W=True, BLOCK_H=bh, EVICT=ev, num_warps=nw,
+                           **CHECKED),
                        nbytes=fbytes, BLOCK_H=bh, num_warps=nw, evict=ev)
     return []
 
@@ -183,7 +186,6 @@ def sweep_config(name: str, copy_bw: float, more: bool = False,
     s = num_slots(rid)
     y = torch.randn(n, h, dtype=x.dtype, device="cuda")
     back = torch.empty(t, h, dtype=x.dtype, device="cuda")
-    ok = torch.ones(1, dtype=torch.int32, device="cuda")
     nbytes = (t + n) * h * 2  # rows only, as bench_permute's merges
     merging = probs if weighted else None
     ref = qmoe.moe_unpermute(y, rid, merging)
@@ -196,9 +198,9 @@ def sweep_config(name: str, copy_bw: float, more: bool = False,
         print(name, kernel, tile, f"{ms:.4f} ms {pct:.1f}%", file=sys.stderr, flush=True)
 
     def launch(kernel, bh, nw, ns, ev="", **extra):
-        kernel[(t, triton.cdiv(h, bh))](y, back, rid, probs, ok, h, s, n, probs.stride(0),
+        kernel[(t, triton.cdiv(h, bh))](y, back, rid, probs, h, s, n, probs.stride(0),
                                         probs.shape[1], HAS_W=weighted, BLOCK_H=bh, EVICT=ev,
-                                        num_warps=nw, num_stages=ns, **extra)
+                                        num_warps=nw, num_stages=ns, **CHECKED, **extra)
 
     record(f"moe_unpermute({'merging_probs' if weighted else 'no probs'})",
            lambda: qmoe.moe_unpermute(y, rid, merging))
@@ -236,7 +238,7 @@ def sweep_config(name: str, copy_bw: float, more: bool = False,
                            extra=extra: launch(kernel, bh, nw, ns, ev, **extra),
                            BLOCK_H=bh, num_warps=nw, num_stages=ns)
     if more:
-        rows += _sweep_split_and_fp8(name, t, h, n, y, back, rid, probs, ok, s, ref, record,
+        rows += _sweep_split_and_fp8(name, t, h, n, y, back, rid, probs, s, ref, record,
                                      quick)
     # the ceiling: a copy of the same bytes (read N*H, write T*H is not a copy; use
     # (N + T) * H / 2 elements each way)

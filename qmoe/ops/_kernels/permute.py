@@ -277,12 +277,23 @@ def _merge_add(acc, x, w, cbad, bad, HAS_W: tl.constexpr):
 
 
 @triton.jit
+def check_routes(bad):
+    """The merge kernels' input check: a device-side assert that ``bad`` ((1,) int32, set
+    by ``_checked_row`` / ``_merge_add``) is 0. Compiled in only when the kernel is launched
+    with ``debug=True`` (the launchers do, with ``sanitize_overflow=False`` as Inductor
+    does); it fails as ``torch._assert_async`` does, surfacing at the next synchronization."""
+    tl.device_assert(bad == 0, "qmoe merge: row_id_map points past the rows of inp, or "
+                     "merging_probs holds NaN or fewer columns than the map's slots; pass "
+                     "the permute's output with the row_id_map built for it, and finite "
+                     "probs of the routing's shape")
+
+
+@triton.jit
 def unpermute_gather_kernel(
     inp_ptr,  # (N, H) any float dtype, contiguous
     out_ptr,  # (T, H) output dtype, contiguous
     map_ptr,  # (T, 2S+1) int32
     w_ptr,  # (T, P) merging weights, row stride stride_w (read only if HAS_W)
-    ok_ptr,  # (1,) int32, 1 on entry: set to 0 if a row is out of range or a weight NaN
     H,
     S,
     N_IN,
@@ -294,8 +305,8 @@ def unpermute_gather_kernel(
     PAIRS: tl.constexpr,  # two routes a step (else one)
 ):
     """out[t] = sum over t's rows of inp[row] (* weight), accumulated in fp32 in row order.
-    A row outside ``[0, N_IN)`` is never read (it adds zero and clears ``ok``), nor a weight
-    column outside ``[0, P)``. With PAIRS two routes' rows are in flight a step (loaded
+    A row outside ``[0, N_IN)`` is never read (it adds zero and fails ``check_routes``), nor
+    a weight column outside ``[0, P)``. With PAIRS two routes' rows are in flight a step (loaded
     together, then added in order) and the next two routes' map entries load meanwhile;
     without, one route a step with the next one's map entry loading meanwhile."""
     t = tl.program_id(0).to(tl.int64)
@@ -320,7 +331,7 @@ def unpermute_gather_kernel(
             acc, bad = _merge_add(acc, x, w, cbad, bad, HAS_W)
     tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=hmask,
              eviction_policy=EVICT)
-    tl.store(ok_ptr + tl.arange(0, 1), tl.zeros((1,), dtype=tl.int32), mask=bad != 0)
+    check_routes(bad)
 
 
 @triton.jit
@@ -406,7 +417,6 @@ def unpermute_fp8_kernel(
     out_ptr,  # (T, H) output dtype, contiguous
     map_ptr,  # (T, 2S+1) int32
     w_ptr,  # (T, P) merging weights, row stride stride_w (read only if HAS_W)
-    ok_ptr,  # (1,) int32, 1 on entry: set to 0 if a row is out of range or a weight NaN
     H,
     S,
     N_IN,
@@ -460,4 +470,4 @@ def unpermute_fp8_kernel(
         acc, bad = _merge_add(acc, x, w, cbad, bad, HAS_W)
     tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=hmask,
              eviction_policy=EVICT)
-    tl.store(ok_ptr + tl.arange(0, 1), tl.zeros((1,), dtype=tl.int32), mask=bad != 0)
+    check_routes(bad)
