@@ -5,12 +5,12 @@ OUT=${OUT:-/tmp/qmoe_gpu_out}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
-NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-echo "ncu: $NCU"
-for cfg in dsv3 gptoss; do
-  timeout 240 "$NCU" --clock-control none \
-    --kernel-name regex:"permute_mask_kernel|permute_scatter_kernel" \
-    --launch-skip 4 --launch-count 2 --set full python3 scripts/ncu_fp8_permute.py $cfg \
-    > "$OUT/ncu_$cfg.txt" 2>&1
-  echo "rc=$? $cfg"; grep -E "^  [a-z_]+kernel|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per|Executed Ipc A|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|Block Limit Reg|Waves Per SM|Executed Instructions  " "$OUT/ncu_$cfg.txt" | head -60
-done
+export QMOE_GPU_CHECK=1
+timeout 270 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short \
+  tests/ops/test_kernels.py::test_permute_kernels_refuse_nan_in_routed_probs \
+  tests/ops/test_permute_mask.py tests/ops/test_quantize_permute.py tests/ops/test_fp8.py \
+  2>&1 | tee "$OUT/tests.log" | grep -E "^(FAILED|ERROR)|passed|failed|[0-9]+%\]" | tail -12
+timeout 200 python3 benchmarks/bench_permute.py --configs dsv3,qwen3,qwen3next,mixtral,gptoss \
+  --ops "permute(mask),permute_with_probs,fused blockwise128: quantize+permute" \
+  --out "$OUT/bench.json" > "$OUT/bench.log" 2>&1
+grep ' ms ' "$OUT/bench.log" | grep -v "torch:"

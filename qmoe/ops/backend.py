@@ -144,7 +144,7 @@ def permute_rows(
             num_slots(rid), ns, r, z, x.stride(0), weights.stride(0) if has_w else None,
             probs.stride(0) if has_p else None, side.stride(0) if has_s else None,
             HAS_W=has_w, HAS_P=has_p, HAS_SIDE=has_s, HAS_FILL=has_f, KB=kb, BLOCK_H=bh,
-            BLOCK_S=bs, num_warps=nw,
+            BLOCK_S=bs, num_warps=nw, debug=True, sanitize_overflow=False,  # check_probs
         )
     if not has_f:
         zero_rows_kernel[(cdiv(n, 64),)](

@@ -141,8 +141,10 @@ def _permute(fn, inp, probs, routing_map, map_type, num_out_tokens, num_experts,
              quantize_scale, align_size=1):
     """``(output [N, H], permuted_probs [N] or empty, row_id_map)`` of the public functions."""
     n = _out_rows(fn, inp, routing_map, map_type, num_out_tokens, num_experts, align_size)
+    # On CUDA the permute kernels check the probs of the routes they move (check_probs, a
+    # device assert: no extra pass over probs); elsewhere every entry is checked here.
     C.check_probs(fn, "probs", probs, inp.shape[0], routing_map.shape[1], inp,
-                  "E" if map_type == "mask" else "K")
+                  "E" if map_type == "mask" else "K", nan=not inp.is_cuda)
     if quantize is not None:
         return quantize_and_permute(fn, inp, probs, routing_map, map_type == "index",
                                     align_size, n, quantize, quantize_scale)

@@ -332,3 +332,70 @@ def test_merge_kernels_refuse_rows_past_inp_and_nan_weights(kdevice, fp8,
                            cwd=Path(__file__).parents[2])
         assert r.returncode != 0 and "no error" not in r.stdout, (bad, r.stdout, r.stderr[-2000:])
         assert msg in r.stdout + r.stderr, (bad, r.stdout[-2000:], r.stderr[-4000:])
+
+
+def _permute_probs_case(dev, path, bad):
+    """A permute with probs through one kernel (``path``: the map-reading scatter, the
+    fused mask permute, or either fused quantize-permute), with a NaN in a routed prob
+    (``bad='routed'``), only in unrouted ones (``'unrouted'``) or none (``None``). Returns
+    the permuted probs and the same call's on probs with the NaN zeroed."""
+    from qmoe.ops.permute_mask import permute_mask_triton
+    from qmoe.ops.quantize_permute import quantize_permute_mask_triton, quantize_permute_triton
+
+    t, e, k, h = 20, 8, 2, 128
+    _, mask = routing(t, e, k, "random", dev)
+    n = int(mask.sum())
+    x = torch.randn(t, h, device=dev)
+    probs = torch.rand(t, e, device=dev)
+    if bad == "routed":
+        probs[mask.nonzero()[5].tolist()] = float("nan")
+    elif bad == "unrouted":
+        probs[~mask] = float("nan")
+
+    def run(p):
+        if path == "scatter":
+            rid, fill = make_row_id_map(mask, n, False, 1)
+            pp = torch.full((n,), float("nan"), device=dev)
+            B.permute_rows(x, rid, n, probs=p, probs_out=pp, fill=fill, use_triton=True)
+            return pp
+        if path == "mask":
+            return permute_mask_triton(x, mask, n, 1, p)[1]
+        args = (128, torch.float8_e4m3fn, "amax", None)
+        if path == "quantize":
+            rid, fill = make_row_id_map(mask, n, False, 1)
+            return quantize_permute_triton(x, rid, p, n, *args, fill)[2]
+        return quantize_permute_mask_triton(x, mask, n, 1, p, *args)[2]
+
+    return run(probs), run(probs.nan_to_num(0.0))
+
+
+_PROBS_CHILD = """
+import sys, torch
+from tests.ops.test_kernels import _permute_probs_case
+_permute_probs_case("cuda", sys.argv[1], "routed")
+torch.cuda.synchronize()
+print("no error")
+"""
+
+
+@pytest.mark.parametrize("path", ["scatter", "mask", "quantize", "quantize_mask"])
+def test_permute_kernels_refuse_nan_in_routed_probs(kdevice, path, interpreter_asserts):
+    """The permute kernels check the probs they move (``check_probs``, a device assert in
+    place of a pass over all of probs): a NaN in a routed entry fails; NaN in unrouted
+    entries reaches no output and passes, with the permuted probs bit-identical to those of
+    the same probs with the NaN zeroed. On CUDA the failing case runs in a child process
+    (a device assert ends the CUDA context)."""
+    msg = "probs holds NaN"
+    for bad in (None, "unrouted"):
+        got, clean = _permute_probs_case(kdevice, path, bad)
+        assert torch.equal(got, clean) and not got.isnan().any(), (path, bad)
+    if kdevice == "cpu":
+        from triton.runtime.errors import InterpreterError
+
+        with pytest.raises(InterpreterError, match=msg):
+            _permute_probs_case(kdevice, path, "routed")
+        return
+    r = subprocess.run([sys.executable, "-c", _PROBS_CHILD, path], capture_output=True,
+                       text=True, timeout=300, cwd=Path(__file__).parents[2])
+    assert r.returncode != 0 and "no error" not in r.stdout, (path, r.stdout, r.stderr[-2000:])
+    assert msg in r.stdout + r.stderr, (path, r.stdout[-2000:], r.stderr[-4000:])

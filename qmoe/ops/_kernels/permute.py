@@ -162,6 +162,15 @@ def _scatter_token(t, x, out_ptr, map_ptr, w_ptr, written_ptr, p_ptr, pp_ptr, si
 
 
 @triton.jit
+def check_probs(pv):
+    """The permute kernels' probs check: a device-side assert that the probs of the routes
+    they move hold no NaN (compiled in only when launched with ``debug=True``, as
+    ``check_routes``); it replaces a pass over all of ``probs`` and its assert launch."""
+    tl.device_assert(pv == pv, "qmoe permute: probs holds NaN (a routed entry); fix the "
+                     "router upstream")
+
+
+@triton.jit
 def store_routes(t, x, d, c, smask, out_ptr, w_ptr, written_ptr, p_ptr, pp_ptr, side_ptr,
                  side_out_ptr, NS, H, cols, hmask, stride_w, stride_p, stride_side,
                  HAS_W: tl.constexpr, HAS_P: tl.constexpr, HAS_SIDE: tl.constexpr,
@@ -182,6 +191,7 @@ def store_routes(t, x, d, c, smask, out_ptr, w_ptr, written_ptr, p_ptr, pp_ptr, 
             tl.store(written_ptr + d, tl.full((KB,), 1, dtype=tl.int8), mask=smask)
         if HAS_P:
             pv = tl.load(p_ptr + t * stride_p + c, mask=smask, other=0.0)
+            check_probs(pv)
             tl.store(pp_ptr + d, pv, mask=smask)
         if HAS_SIDE:
             sc = tl.arange(0, BLOCK_S)
