@@ -1,15 +1,18 @@
 """Driver for Nsight Compute: the fused mask permute and the scatter alone (prebuilt map)
 on dsv3-sized FP8 rows (uint8 bits + fp32 blockwise scale rows), each launched once after
-warm-up. One-off (session 7).
+warm-up (session 7; docs/benchmarks.md).
 
     ncu --clock-control none --kernel-name regex:"permute_mask_kernel|permute_scatter_kernel" \
-        --launch-skip 2 --launch-count 2 --set full python3 scripts/ncu_fp8_permute.py dsv3
+        --launch-skip 4 --launch-count 2 --set full python3 benchmarks/ncu_fp8_permute.py dsv3
+
+(the first four matching launches are the warm-up's).
 """
+import os
 import sys
 
 import torch
 
-sys.path.insert(0, "benchmarks")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_permute import CONFIGS  # noqa: E402
 
 from qmoe.ops.backend import permute_rows  # noqa: E402
