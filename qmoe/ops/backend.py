@@ -245,9 +245,10 @@ def merge_weight_grad(
 
     if t == 0 or p == 0:
         return gw
+    bh, kb = min(1024, _block_h(h)), 4  # 4 routes' 1024-column tiles in flight a step
     merge_weight_grad_kernel[(t,)](
         grad.contiguous(), x.contiguous(), rid, gw, h, num_slots(rid), gw.stride(0),
-        BLOCK_H=min(1024, _block_h(h)), num_warps=4,
+        KB=kb, BLOCK_H=bh, num_warps=4,
     )
     return gw
 

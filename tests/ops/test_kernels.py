@@ -83,7 +83,8 @@ def test_permute_unpermute_kernels(kdevice, t, h, e, k, kind, extra, map_type):
 @pytest.mark.parametrize("h", [1025, 2880])
 def test_merge_in_column_tiles(kdevice, h):
     """Wide rows merge in 512-column programs (evict-first): several column programs per
-    token, the last one partial; 8 routes a token (odd and even counts, the pairs loop)."""
+    token, the last one partial; 8 routes a token (odd and even counts, the pairs loop).
+    The weights' gradient of the same merge, against fp64."""
     assert B.merge_tile(h, True) == B.merge_tile(h, False) == (512, 1, "evict_first", True)
     assert B.merge_tile(4096, False) == (4096, 8, "", False)  # one route a step
     t, e, k = 9, 16, 8
@@ -97,6 +98,14 @@ def test_merge_in_column_tiles(kdevice, h):
     got = B.unpermute_rows(y, rid, w, use_triton=True, out=_poison((t, h), y.dtype, kdevice))
     ref = B.unpermute_rows(y.double(), rid, w.double(), use_triton=False)
     torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
+    # the weights' gradient: 1024-column tiles (the last partial), 4 routes a step (the
+    # last step partial: 8 routes a token, some dropped)
+    g = torch.randn(t, h, device=kdevice)
+    gw = B.merge_weight_grad(g, y, rid, e, use_triton=True)
+    tok, row, col = B._routes(rid)
+    ref = torch.zeros(t, e, dtype=torch.float64, device=kdevice)
+    ref[tok, col] = (g.double()[tok] * y.double()[row]).sum(1)  # fp64 dot products
+    torch.testing.assert_close(gw.double(), ref, rtol=1e-5, atol=1e-4)
 
 
 def test_padded_map_kernels_zero_padding(kdevice):

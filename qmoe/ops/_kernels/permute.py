@@ -380,23 +380,30 @@ def merge_weight_grad_kernel(
     H,
     S,
     stride_gw,
+    KB: tl.constexpr,  # routes whose rows are in flight together
     BLOCK_H: tl.constexpr,
 ):
-    """d weight[t, c] = <grad[t], inp[row]> in fp32, in a fixed order (deterministic)."""
+    """d weight[t, c] = <grad[t], inp[row]> in fp32, in a fixed order (deterministic):
+    per route, each lane adds its columns tile by tile, then one sum across the lanes. KB
+    routes a step, their row tiles loaded together (one route a step left the kernel bound
+    by the latency of each load)."""
     t = tl.program_id(0).to(tl.int64)
     mrow = map_ptr + t * (2 * S + 1)
     n = tl.minimum(tl.load(mrow + 2 * S), S)
-    for s in range(0, n):
-        d = tl.load(mrow + s).to(tl.int64)
-        c = tl.load(mrow + S + s)
-        acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for s0 in range(0, n, KB):
+        sl = s0 + tl.arange(0, KB)
+        live = sl < n
+        d = tl.load(mrow + sl, mask=live, other=0).to(tl.int64)
+        c = tl.load(mrow + S + sl, mask=live, other=0)
+        acc = tl.zeros((KB, BLOCK_H), dtype=tl.float32)
         for h0 in range(0, H, BLOCK_H):
             cols = h0 + tl.arange(0, BLOCK_H)
             hmask = cols < H
             g = tl.load(grad_ptr + t * H + cols, mask=hmask, other=0.0).to(tl.float32)
-            x = tl.load(inp_ptr + d * H + cols, mask=hmask, other=0.0).to(tl.float32)
-            acc += g * x
-        tl.store(gw_ptr + t * stride_gw + c, tl.sum(acc, axis=0))
+            x = tl.load(inp_ptr + d[:, None] * H + cols[None, :],
+                        mask=live[:, None] & hmask[None, :], other=0.0).to(tl.float32)
+            acc += g[None, :] * x
+        tl.store(gw_ptr + t * stride_gw + c, tl.sum(acc, axis=1), mask=live)
 
 
 @triton.jit
