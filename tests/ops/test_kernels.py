@@ -98,14 +98,32 @@ def test_merge_in_column_tiles(kdevice, h):
     got = B.unpermute_rows(y, rid, w, use_triton=True, out=_poison((t, h), y.dtype, kdevice))
     ref = B.unpermute_rows(y.double(), rid, w.double(), use_triton=False)
     torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
-    # the weights' gradient: 1024-column tiles (the last partial), 4 routes a step (the
+    # the weights' gradient: 1024-column tiles (the last partial), 2 routes a step (the
     # last step partial: 8 routes a token, some dropped)
-    g = torch.randn(t, h, device=kdevice)
+    _check_weight_grad(kdevice, rid, y, e)
+
+
+def _check_weight_grad(dev, rid, y, e):
+    """The merge's weight gradient against fp64 dot products (zero off the kept routes)."""
+    t, h = rid.shape[0], y.shape[1]
+    g = torch.randn(t, h, device=dev)
     gw = B.merge_weight_grad(g, y, rid, e, use_triton=True)
     tok, row, col = B._routes(rid)
-    ref = torch.zeros(t, e, dtype=torch.float64, device=kdevice)
-    ref[tok, col] = (g.double()[tok] * y.double()[row]).sum(1)  # fp64 dot products
+    ref = torch.zeros(t, e, dtype=torch.float64, device=dev)
+    ref[tok, col] = (g.double()[tok] * y.double()[row]).sum(1)
     torch.testing.assert_close(gw.double(), ref, rtol=1e-5, atol=1e-4)
+
+
+def test_weight_grad_wide_tiles(kdevice):
+    """From H = 4096 the weight gradient takes 2048-column tiles of 8 warps (wgrad_tile);
+    at H = 4100 the last tile is partial. Two routes a step over 5 routes a token."""
+    assert B.wgrad_tile(4096) == (2, 2048, 8) and B.wgrad_tile(4095)[1:] == (1024, 4)
+    t, e, k = 6, 8, 5
+    _, mask = routing(t, e, k, "random", kdevice)
+    n = int(mask.sum())
+    rid, _ = make_row_id_map(mask, n, False, 1)
+    for h in (4096, 4100):
+        _check_weight_grad(kdevice, rid, torch.randn(n, h, device=kdevice), e)
 
 
 def test_padded_map_kernels_zero_padding(kdevice):

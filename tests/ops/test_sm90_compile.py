@@ -112,6 +112,9 @@ def _launches():
         B.unpermute_rows(y, rid, w, use_triton=True)
     B.unpermute_rows(y.repeat(1, 5)[:, :1100], rid, probs, use_triton=True)  # 512 columns
     B.merge_weight_grad(x, y, rid, e, use_triton=True)
+    y4 = y.repeat(1, 4096 // h + 1)[:, :4096]  # the 2048-column, 8-warp weight gradient
+    B.merge_weight_grad(torch.zeros(x.shape[0], 4096, dtype=x.dtype), y4, rid, e,
+                        use_triton=True)
     B.gather_rows(y, torch.arange(n), use_triton=True)
     for recipe in (qmoe.PerTensor(), qmoe.Blockwise(), qmoe.MXFP8(),
                    qmoe.MXFP8(fp8_dtype=torch.float8_e5m2)):

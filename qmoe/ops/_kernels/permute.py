@@ -386,7 +386,7 @@ def merge_weight_grad_kernel(
     """d weight[t, c] = <grad[t], inp[row]> in fp32, in a fixed order (deterministic):
     per route, each lane adds its columns tile by tile, then one sum across the lanes. KB
     routes a step, their row tiles loaded together (one route a step left the kernel bound
-    by the latency of each load)."""
+    by the latency of each load: ``backend.wgrad_tile``)."""
     t = tl.program_id(0).to(tl.int64)
     mrow = map_ptr + t * (2 * S + 1)
     n = tl.minimum(tl.load(mrow + 2 * S), S)
