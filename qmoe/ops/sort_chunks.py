@@ -8,9 +8,62 @@ from __future__ import annotations
 
 import torch
 
+from qmoe._intmath import cdiv, next_pow2
 from qmoe._library import define
 from qmoe.ops import _checks as C
 from qmoe.ops.backend import gather_rows
+
+#: Most chunks the one-launch Triton sort takes (every program holds the C sizes and the
+#: order in registers); more go through ``chunk_source_rows`` and ``gather_rows``.
+MAX_KERNEL_CHUNKS = 4096
+
+
+def one_launch(inp: torch.Tensor, split_sizes: torch.Tensor) -> bool:
+    """Whether the sort of ``inp`` takes ``sort_chunks_triton`` (CUDA, at most
+    ``MAX_KERNEL_CHUNKS`` chunks), which also checks the sizes, the order and the probs."""
+    return inp.is_cuda and split_sizes.numel() <= MAX_KERNEL_CHUNKS
+
+
+def sort_chunks_triton(
+    inp: torch.Tensor,
+    split_sizes: torch.Tensor,
+    sorted_index: torch.Tensor,
+    probs: torch.Tensor | None = None,
+    *,
+    inverse: bool = False,
+    check: bool = True,
+    steps: int | None = None,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out [T, H], probs moved alike [T] or empty)``: the chunk sort of ``inp [T, H]``
+    in one launch (CUDA, or CPU under TRITON_INTERPRET=1); ``inverse``: the movement back
+    (the backward; assumes a valid order). ``check``: program 0 asserts on the device that
+    the sizes are >= 0 and sum to at most T and that the order is a permutation; moved
+    probs must not be NaN. No host sync. ``steps`` overrides the row tiles a program
+    (tests); ``out`` (tests: poisoned) receives the rows."""
+    from qmoe.ops._kernels.sort_chunks import sort_chunks_kernel
+
+    t, h = inp.shape
+    c = split_sizes.numel()
+    out = inp.new_empty((t, h)) if out is None else out
+    pp = probs.new_empty((t,)) if probs is not None else inp.new_empty(0)
+    if c == 0:  # no chunks: every row stays
+        out.copy_(inp)
+        return out, pp.copy_(probs) if probs is not None else pp
+    if inp.stride(1) != 1:
+        inp = inp.contiguous()
+    elem = inp.element_size()
+    bh = max(16, min(16384 // elem, next_pow2(max(h, 1))))  # ~16 KiB a tile, as gather_rows
+    br = max(1, 16384 // (bh * elem))
+    if steps is None:  # the chunk table loaded once for 4 tiles where rows are plenty
+        steps = 4 if cdiv(t, br) >= 4096 else 1
+    sort_chunks_kernel[(max(1, cdiv(t, br * steps)), cdiv(max(h, 1), bh))](
+        inp, out, split_sizes, sorted_index, probs, pp if probs is not None else None, t, h,
+        c, inp.stride(0), INVERSE=inverse, CHECK=check, HAS_P=probs is not None,
+        BLOCK_C=next_pow2(c), BLOCK_R=br, BLOCK_H=bh, STEPS=steps, num_warps=8,
+        debug=True, sanitize_overflow=False,  # the device asserts, alone
+    )
+    return out, pp
 
 
 def chunk_source_rows(
@@ -47,6 +100,8 @@ def _sort_chunks(
     sorted_index: torch.Tensor,
     probs: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    if one_launch(inp, split_sizes):
+        return sort_chunks_triton(inp, split_sizes, sorted_index, probs)
     src = chunk_source_rows(split_sizes, sorted_index, inp.shape[0])
     out = gather_rows(inp, src)
     return out, (probs.index_select(0, src) if probs is not None else inp.new_empty(0))
@@ -67,6 +122,11 @@ def _setup(ctx, inputs, output):
 def _backward(ctx, grad_out, grad_probs):
     split_sizes, sorted_index = ctx.saved_tensors
     t = grad_out.shape[0]
+    if one_launch(grad_out, split_sizes):  # the forward checked the order: a permutation
+        gp = grad_probs if ctx.has_probs else None
+        gi, gpp = sort_chunks_triton(grad_out, split_sizes, sorted_index, gp, inverse=True,
+                                     check=False)
+        return gi, None, None, gpp if gp is not None else None
     src = chunk_source_rows(split_sizes, sorted_index, t)
     # The inverse movement; index_add keeps it right even if sorted_index repeats a chunk.
     gi = torch.zeros(grad_out.shape, dtype=torch.float32, device=grad_out.device)
@@ -99,6 +159,9 @@ def _check(fn, inp, split_sizes, sorted_index, probs):
                 "must be [T]"
             )
         C.check_same_device(fn, "inp", inp, probs=probs)
+    if one_launch(inp, split_sizes):
+        return  # the kernel checks the values itself (device asserts, no extra launches)
+    if probs is not None:
         C.check_no_nan(fn, "probs", probs)
     if split_sizes.numel():
         c = split_sizes.numel()

@@ -116,6 +116,11 @@ def _launches():
     B.merge_weight_grad(torch.zeros(x.shape[0], 4096, dtype=x.dtype), y4, rid, e,
                         use_triton=True)
     B.gather_rows(y, torch.arange(n), use_triton=True)
+    from qmoe.ops.sort_chunks import sort_chunks_triton
+
+    sizes, order = torch.tensor([n // 2, n - n // 2]), torch.tensor([1, 0])
+    sort_chunks_triton(y, sizes, order, torch.rand(n))
+    sort_chunks_triton(y, sizes, order, torch.rand(n), inverse=True, check=False, steps=4)
     for recipe in (qmoe.PerTensor(), qmoe.Blockwise(), qmoe.MXFP8(),
                    qmoe.MXFP8(fp8_dtype=torch.float8_e5m2)):
         q = qmoe.quantize(y.float(), recipe)

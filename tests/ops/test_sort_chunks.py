@@ -1,3 +1,7 @@
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -41,3 +45,78 @@ def test_empty():
     assert qmoe.moe_sort_chunks_by_index(x, e, e).shape == (0, 8)
     z = torch.zeros(3, dtype=torch.long, device=DEV)
     assert qmoe.moe_sort_chunks_by_index(x, z, torch.arange(3, device=DEV)).shape == (0, 8)
+
+
+@pytest.mark.parametrize("t,h,c,tail,steps", [
+    (1, 1, 1, 0, None), (63, 17, 5, 9, None), (1025, 64, 16, 0, 4), (100, 300, 3, 9, 3),
+    (40, 8, 300, 3, None), (0, 8, 4, 5, None),
+])
+def test_kernel_matches_reference(kdevice, t, h, c, tail, steps):
+    """The one-launch Triton sort (every program derives its rows' sources from the sizes
+    and the order) against the reference, into a poisoned output; zero-size chunks (C
+    past T included), rows past the chunks, several row tiles a program; the inverse
+    movement (the backward) puts every row and prob back."""
+    from qmoe.ops.sort_chunks import sort_chunks_triton
+
+    x = torch.randn(t + tail, h, device=kdevice)
+    cuts = torch.sort(torch.randint(0, t + 1, (c - 1,))).values
+    sizes = torch.diff(torch.cat([torch.tensor([0]), cuts, torch.tensor([t])]))
+    order = torch.randperm(c)
+    probs = torch.rand(t + tail, device=kdevice)
+    poison = torch.full_like(x, float("nan"))
+    out, pp = sort_chunks_triton(x, sizes.to(kdevice), order.to(kdevice), probs, steps=steps,
+                                 out=poison)
+    ref, rpp = R.sort_chunks(x.cpu(), sizes.tolist(), order.tolist(), probs.cpu())
+    assert_same_bits(out.cpu(), ref)
+    assert_same_bits(pp.cpu(), rpp)
+    back, bp = sort_chunks_triton(out, sizes.to(kdevice), order.to(kdevice), pp, inverse=True,
+                                  check=False, steps=steps)
+    assert_same_bits(back, x)
+    assert_same_bits(bp, probs)
+
+
+_BAD = {  # (sizes, order, NaN prob): T = 12 rows
+    "negative size": ([5, -1, 8], [2, 0, 1], False, "split_sizes must be >= 0"),
+    "sizes past T": ([5, 3, 8], [2, 0, 1], False, "sum to at most T"),
+    "index out of range": ([5, 3, 4], [2, 0, 3], False, "permutation of 0..C-1"),
+    "repeated index": ([5, 3, 4], [2, 0, 0], False, "permutation of 0..C-1"),
+    "NaN prob": ([5, 3, 4], [2, 0, 1], True, "probs holds NaN"),
+}
+
+
+def _bad_sort(dev, case):
+    from qmoe.ops.sort_chunks import sort_chunks_triton
+
+    sizes, order, nan, _ = _BAD[case]
+    probs = torch.rand(12, device=dev)
+    if nan:
+        probs[7] = float("nan")
+    return sort_chunks_triton(torch.randn(12, 4, device=dev), torch.tensor(sizes, device=dev),
+                              torch.tensor(order, device=dev), probs)
+
+
+_CHILD = """
+import sys, torch
+from tests.ops.test_sort_chunks import _bad_sort
+_bad_sort("cuda", sys.argv[1])
+torch.cuda.synchronize()
+print("no error")
+"""
+
+
+def test_kernel_refuses_bad_sizes_order_and_nan(kdevice, interpreter_asserts):
+    """The one-launch sort checks its own inputs (device asserts: program 0 for the sizes
+    and the order, every program for the probs it moves). Under the interpreter each bad
+    case raises; on CUDA (a device assert ends the context) two run in child processes."""
+    if kdevice == "cpu":
+        from triton.runtime.errors import InterpreterError
+
+        for case, (*_, msg) in _BAD.items():
+            with pytest.raises(InterpreterError, match=msg):
+                _bad_sort(kdevice, case)
+        return
+    for case in ("repeated index", "NaN prob"):
+        r = subprocess.run([sys.executable, "-c", _CHILD, case], capture_output=True,
+                           text=True, timeout=300, cwd=Path(__file__).parents[2])
+        assert r.returncode != 0 and "no error" not in r.stdout, (case, r.stderr[-2000:])
+        assert _BAD[case][3] in r.stdout + r.stderr, (case, r.stderr[-4000:])
