@@ -13,16 +13,6 @@ from qmoe._library import define
 from qmoe.ops import _checks as C
 from qmoe.ops.backend import gather_rows
 
-#: Most chunks the one-launch Triton sort takes (every program holds the C sizes and the
-#: order in registers); more go through ``chunk_source_rows`` and ``gather_rows``.
-MAX_KERNEL_CHUNKS = 4096
-
-
-def one_launch(inp: torch.Tensor, split_sizes: torch.Tensor) -> bool:
-    """Whether the sort of ``inp`` takes ``sort_chunks_triton`` (CUDA, at most
-    ``MAX_KERNEL_CHUNKS`` chunks), which also checks the sizes, the order and the probs."""
-    return inp.is_cuda and split_sizes.numel() <= MAX_KERNEL_CHUNKS
-
 
 def sort_chunks_triton(
     inp: torch.Tensor,
@@ -36,11 +26,16 @@ def sort_chunks_triton(
     out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [T, H], probs moved alike [T] or empty)``: the chunk sort of ``inp [T, H]``
-    in one launch (CUDA, or CPU under TRITON_INTERPRET=1); ``inverse``: the movement back
-    (the backward; assumes a valid order). ``check``: program 0 asserts on the device that
-    the sizes are >= 0 and sum to at most T and that the order is a permutation; moved
-    probs must not be NaN. No host sync. ``steps`` overrides the row tiles a program
-    (tests); ``out`` (tests: poisoned) receives the rows."""
+    in one launch (CUDA, or CPU under TRITON_INTERPRET=1). Not yet the op's CUDA path:
+    built and tested on CPU (interpreter, sm_90 compile) in session 7, when no GPU time
+    was left to measure it against ``chunk_source_rows`` + ``gather_rows``
+    (``bench_permute.py`` times both as "sort_chunks" and "sort_chunks (one launch)").
+    Every program holds the C sizes and the order in registers (C up to a few thousand).
+    ``inverse``: the movement back (the backward; assumes a valid order). ``check``:
+    program 0 asserts on the device that the sizes are >= 0 and sum to at most T and that
+    the order is a permutation; moved probs must not be NaN. No host sync. ``steps``
+    overrides the row tiles a program (tests); ``out`` (tests: poisoned) receives the
+    rows."""
     from qmoe.ops._kernels.sort_chunks import sort_chunks_kernel
 
     t, h = inp.shape
@@ -100,8 +95,6 @@ def _sort_chunks(
     sorted_index: torch.Tensor,
     probs: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if one_launch(inp, split_sizes):
-        return sort_chunks_triton(inp, split_sizes, sorted_index, probs)
     src = chunk_source_rows(split_sizes, sorted_index, inp.shape[0])
     out = gather_rows(inp, src)
     return out, (probs.index_select(0, src) if probs is not None else inp.new_empty(0))
@@ -122,11 +115,6 @@ def _setup(ctx, inputs, output):
 def _backward(ctx, grad_out, grad_probs):
     split_sizes, sorted_index = ctx.saved_tensors
     t = grad_out.shape[0]
-    if one_launch(grad_out, split_sizes):  # the forward checked the order: a permutation
-        gp = grad_probs if ctx.has_probs else None
-        gi, gpp = sort_chunks_triton(grad_out, split_sizes, sorted_index, gp, inverse=True,
-                                     check=False)
-        return gi, None, None, gpp if gp is not None else None
     src = chunk_source_rows(split_sizes, sorted_index, t)
     # The inverse movement; index_add keeps it right even if sorted_index repeats a chunk.
     gi = torch.zeros(grad_out.shape, dtype=torch.float32, device=grad_out.device)
@@ -159,9 +147,6 @@ def _check(fn, inp, split_sizes, sorted_index, probs):
                 "must be [T]"
             )
         C.check_same_device(fn, "inp", inp, probs=probs)
-    if one_launch(inp, split_sizes):
-        return  # the kernel checks the values itself (device asserts, no extra launches)
-    if probs is not None:
         C.check_no_nan(fn, "probs", probs)
     if split_sizes.numel():
         c = split_sizes.numel()
