@@ -38,10 +38,8 @@ from qmoe.ops._kernels.permute import (  # noqa: E402
     unpermute_fp8_kernel,
     unpermute_gather_kernel,
 )
+from qmoe.ops.backend import assert_options  # noqa: E402
 from qmoe.ops.row_id_map import num_slots  # noqa: E402
-
-#: Launch options of the merge kernels, as the launchers pass them (check_routes' assert)
-CHECKED = {"debug": True, "sanitize_overflow": False}
 
 
 @triton.jit
@@ -140,12 +138,13 @@ def _sweep_split_and_fp8(name, t, h, n, y, back, rid, probs, s, ref, record, qui
             record("gather_split", lambda chunk=chunk, bh=bh, nw=nw, parts=parts:
                    gather_split_kernel[(t, parts)](
                        y, back, rid, probs, h, s, n, probs.stride(0), probs.shape[1],
-                       chunk, HAS_W=True, BLOCK_H=bh, num_warps=nw, **CHECKED),
+                       chunk, HAS_W=True, BLOCK_H=bh, num_warps=nw, **assert_options()),
                    parts=parts, BLOCK_H=bh, num_warps=nw)
     back.fill_(float("nan"))
     gather_split_kernel[(t, 2)](y, back, rid, probs, h, s, n, probs.stride(0),
                                 probs.shape[1], triton.cdiv(h, 2), HAS_W=True,
-                                BLOCK_H=triton.next_power_of_2(triton.cdiv(h, 2)), **CHECKED)
+                                BLOCK_H=triton.next_power_of_2(triton.cdiv(h, 2)),
+                                **assert_options())
     rows.append({"config": name, "kernel": "gather_split", "equal_to_op":
                  torch.equal(back, ref)})
     return rows + _sweep_fp8(name, t, h, n, y, back, rid, probs, s, record, quick)
@@ -170,7 +169,7 @@ def _sweep_fp8(name, t, h, n, y, back, rid, probs, s, record, quick):
                            qbits, qs, back, rid, probs, h, s, n, qs.shape[1],
                            probs.stride(0), probs.shape[1], LAYOUT=1, BS=128, MB=3, BIAS=7,
                            HW_CAST=True, HAS_W=True, BLOCK_H=bh, EVICT=ev, num_warps=nw,
-                           **CHECKED),
+                           **assert_options()),
                        nbytes=fbytes, BLOCK_H=bh, num_warps=nw, evict=ev)
     return []
 
@@ -202,7 +201,7 @@ def sweep_config(name: str, copy_bw: float, more: bool = False,
     def launch(kernel, bh, nw, ns, ev="", **extra):
         kernel[(t, triton.cdiv(h, bh))](y, back, rid, probs, h, s, n, probs.stride(0),
                                         probs.shape[1], HAS_W=weighted, BLOCK_H=bh, EVICT=ev,
-                                        num_warps=nw, num_stages=ns, **CHECKED, **extra)
+                                        num_warps=nw, num_stages=ns, **assert_options(), **extra)
 
     record(f"moe_unpermute({'merging_probs' if weighted else 'no probs'})",
            lambda: qmoe.moe_unpermute(y, rid, merging))

@@ -16,6 +16,15 @@ from qmoe.ops.row_id_map import num_slots
 from qmoe.tensors.base import e8m0_to_fp32, expand_block_scales
 
 
+def assert_options() -> dict[str, bool]:
+    """Launch options of the kernels that check their inputs with ``tl.device_assert``
+    (``check_routes``, ``check_probs``, the chunk sort's checks): ``debug=True`` compiles
+    the asserts in, ``sanitize_overflow=False`` keeps out the integer-overflow checks that
+    debug would add, so the asserts are the only difference; Inductor launches its own
+    kernels the same way. A new dict each call."""
+    return {"debug": True, "sanitize_overflow": False}
+
+
 def _block_h(h: int) -> int:
     return max(16, min(1024, next_pow2(max(h, 1))))
 
@@ -144,7 +153,7 @@ def permute_rows(
             num_slots(rid), ns, r, z, x.stride(0), weights.stride(0) if has_w else None,
             probs.stride(0) if has_p else None, side.stride(0) if has_s else None,
             HAS_W=has_w, HAS_P=has_p, HAS_SIDE=has_s, HAS_FILL=has_f, KB=kb, BLOCK_H=bh,
-            BLOCK_S=bs, num_warps=nw, debug=True, sanitize_overflow=False,  # check_probs
+            BLOCK_S=bs, num_warps=nw, **assert_options(),  # check_probs
         )
     if not has_f:
         zero_rows_kernel[(cdiv(n, 64),)](
@@ -208,7 +217,7 @@ def unpermute_rows(
     unpermute_gather_kernel[(t, cdiv(h, bh))](
         x, out, rid, w, h, num_slots(rid), x.shape[0], w.stride(0), p,
         HAS_W=weights is not None, BLOCK_H=bh, EVICT=evict, PAIRS=pairs, num_warps=nw,
-        debug=True, sanitize_overflow=False,  # check_routes' device assert, alone
+        **assert_options(),  # check_routes
     )
     return out
 
@@ -344,6 +353,6 @@ def unpermute_fp8_rows(
         qbits.shape[0], scale.shape[-1] if scale.dim() else 1, w.stride(0), p,
         LAYOUT=layout, BS=max(block_size, 1), MB=3 if e4m3 else 2, BIAS=7 if e4m3 else 15,
         HW_CAST=qbits.is_cuda, HAS_W=weights is not None, BLOCK_H=bh, EVICT=evict,
-        num_warps=nw, debug=True, sanitize_overflow=False,  # check_routes' device assert
+        num_warps=nw, **assert_options(),  # check_routes
     )
     return out

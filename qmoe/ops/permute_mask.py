@@ -16,7 +16,7 @@ import torch
 
 from qmoe._intmath import cdiv, next_pow2
 from qmoe._library import define
-from qmoe.ops.backend import scatter_tile, tail_programs
+from qmoe.ops.backend import assert_options, scatter_tile, tail_programs
 from qmoe.ops.row_id_map import MapTiling, block_counts, map_tiling, mask_operand, small_mask
 
 ops = torch.ops.qmoe
@@ -120,7 +120,7 @@ def permute_mask_triton(
         CHUNK_T=count_chunk(t, be, nw), KB=kb, BLOCK_H=bh,
         BLOCK_S=next_pow2(max(ns, 1)), TOKENS=tokens,
         REG_ROUTES=reg_routes_flag(be, reg_routes), num_warps=nw,
-        debug=True, sanitize_overflow=False,  # check_probs' device assert, alone
+        **assert_options(),  # check_probs
     )
     return out, pp, so, rid
 

@@ -17,6 +17,7 @@ import torch
 
 from qmoe._intmath import cdiv, next_pow2
 from qmoe._library import define
+from qmoe.ops.backend import assert_options
 from qmoe.ops.row_id_map import num_slots
 from qmoe.tensors.quantize import (
     EPS,
@@ -107,8 +108,7 @@ def quantize_permute_triton(x, rid, probs, n, block_size, fp8_dtype, scale_mode,
             x, q, s_out, rid, probs if has_p else x, pp if has_p else written, written,
             fill if has_f else written, t, n, h, nb, num_slots(rid), r, z, x.stride(0),
             probs.stride(0) if has_p else 0, HAS_P=has_p, HAS_FILL=has_f, KB=kb,
-            num_warps=num_warps, debug=True, sanitize_overflow=False,  # check_probs' assert
-            **consts,
+            num_warps=num_warps, **assert_options(), **consts,  # check_probs
         )
     if not has_f:
         zero_rows_kernel[(cdiv(n, 64),)](
@@ -160,8 +160,7 @@ def quantize_permute_mask_triton(x, mask, n, align_size, probs, block_size, fp8_
         HAS_P=has_p, SMALL=small, BLOCK_T=bt, BLOCK_E=be,
         CHUNK_T=count_chunk(t, be, num_warps), KB=kb,
         REG_ROUTES=reg_routes_flag(be, reg_routes), num_warps=num_warps,
-        debug=True, sanitize_overflow=False,  # check_probs' device assert, alone
-        **consts,
+        **assert_options(), **consts,  # check_probs
     )
     return q.view(fp8_dtype), s_out, pp, rid
 

@@ -11,7 +11,7 @@ import torch
 from qmoe._intmath import cdiv, next_pow2
 from qmoe._library import define
 from qmoe.ops import _checks as C
-from qmoe.ops.backend import gather_rows
+from qmoe.ops.backend import assert_options, gather_rows
 
 
 def sort_chunks_triton(
@@ -56,7 +56,7 @@ def sort_chunks_triton(
         inp, out, split_sizes, sorted_index, probs, pp if probs is not None else None, t, h,
         c, inp.stride(0), INVERSE=inverse, CHECK=check, HAS_P=probs is not None,
         BLOCK_C=next_pow2(c), BLOCK_R=br, BLOCK_H=bh, STEPS=steps, num_warps=8,
-        debug=True, sanitize_overflow=False,  # the device asserts, alone
+        **assert_options(),  # check_chunks, check_probs
     )
     return out, pp
 

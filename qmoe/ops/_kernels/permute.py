@@ -290,8 +290,8 @@ def _merge_add(acc, x, w, cbad, bad, HAS_W: tl.constexpr):
 def check_routes(bad):
     """The merge kernels' input check: a device-side assert that ``bad`` ((1,) int32, set
     by ``_checked_row`` / ``_merge_add``) is 0. Compiled in only when the kernel is launched
-    with ``debug=True`` (the launchers do, with ``sanitize_overflow=False`` as Inductor
-    does); it fails as ``torch._assert_async`` does, surfacing at the next synchronization."""
+    with ``debug=True`` (the launchers pass ``backend.assert_options()``); it fails as
+    ``torch._assert_async`` does, surfacing at the next synchronization."""
     tl.device_assert(bad == 0, "qmoe merge: row_id_map points past the rows of inp, or "
                      "merging_probs holds NaN or fewer columns than the map's slots; pass "
                      "the permute's output with the row_id_map built for it, and finite "
