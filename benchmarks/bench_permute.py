@@ -145,10 +145,10 @@ def run_config(name: str, copy_bw: float, dev: str = "cuda", ops: str = "",
         cases[f"fused {rname}: quantize then permute"] = (
             lambda recipe=recipe: qmoe.moe_permute(qmoe.quantize(x, recipe), mask, n),
             fused_bytes)
-    if dev == "cuda":  # the one-launch chunk sort (sizes, order and checks inside the
-        # kernel), not yet the op's path: timed next to it
-        cases["sort_chunks (one launch)"] = (
-            lambda: sort_chunks_triton(y, sizes, chunk_order), 2 * n * row_bytes)
+    if dev == "cuda":  # the chunk sort's backward: the same kernel's inverse movement
+        cases["sort_chunks backward"] = (
+            lambda: sort_chunks_triton(y, sizes, chunk_order, inverse=True, check=False),
+            2 * n * row_bytes)
     keep = [o for o in ops.split(",") if o]
     for case, (fn, nbytes) in cases.items():
         if keep and not any(o in case for o in keep):

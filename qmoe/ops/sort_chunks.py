@@ -13,6 +13,16 @@ from qmoe._library import define
 from qmoe.ops import _checks as C
 from qmoe.ops.backend import assert_options, gather_rows
 
+#: Most chunks the one-launch Triton sort takes (every program holds the C sizes and the
+#: order in registers); more go through ``chunk_source_rows`` and ``gather_rows``.
+MAX_KERNEL_CHUNKS = 4096
+
+
+def one_launch(inp: torch.Tensor, split_sizes: torch.Tensor) -> bool:
+    """Whether the sort of ``inp`` takes ``sort_chunks_triton`` (CUDA, at most
+    ``MAX_KERNEL_CHUNKS`` chunks), which also checks the sizes, the order and the probs."""
+    return inp.is_cuda and split_sizes.numel() <= MAX_KERNEL_CHUNKS
+
 
 def sort_chunks_triton(
     inp: torch.Tensor,
@@ -23,19 +33,20 @@ def sort_chunks_triton(
     inverse: bool = False,
     check: bool = True,
     steps: int | None = None,
+    block_h: int | None = None,
+    num_warps: int = 8,
     out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [T, H], probs moved alike [T] or empty)``: the chunk sort of ``inp [T, H]``
-    in one launch (CUDA, or CPU under TRITON_INTERPRET=1). Not yet the op's CUDA path:
-    built and tested on CPU (interpreter, sm_90 compile) in session 7, when no GPU time
-    was left to measure it against ``chunk_source_rows`` + ``gather_rows``
-    (``bench_permute.py`` times both as "sort_chunks" and "sort_chunks (one launch)").
-    Every program holds the C sizes and the order in registers (C up to a few thousand).
+    in one launch (CUDA, or CPU under TRITON_INTERPRET=1): the op's CUDA path up to
+    ``MAX_KERNEL_CHUNKS`` chunks, forward and backward. Every program holds the C sizes
+    and the order in registers.
     ``inverse``: the movement back (the backward; assumes a valid order). ``check``:
     program 0 asserts on the device that the sizes are >= 0 and sum to at most T and that
     the order is a permutation; moved probs must not be NaN. No host sync. ``steps``
-    overrides the row tiles a program (tests); ``out`` (tests: poisoned) receives the
-    rows."""
+    overrides the row tiles a program (tests), ``block_h`` the columns a tile and
+    ``num_warps`` the warps a program (``benchmarks/sweep_sort_chunks.py``); ``out``
+    (tests: poisoned) receives the rows."""
     from qmoe.ops._kernels.sort_chunks import sort_chunks_kernel
 
     t, h = inp.shape
@@ -47,15 +58,19 @@ def sort_chunks_triton(
         return out, pp.copy_(probs) if probs is not None else pp
     if inp.stride(1) != 1:
         inp = inp.contiguous()
+    if probs is not None:
+        probs = probs.contiguous()  # the kernel reads probs[src] at unit stride
     elem = inp.element_size()
-    bh = max(16, min(16384 // elem, next_pow2(max(h, 1))))  # ~16 KiB a tile, as gather_rows
+    if block_h is None:  # ~16 KiB a tile, as gather_rows
+        block_h = max(16, min(16384 // elem, next_pow2(max(h, 1))))
+    bh = block_h
     br = max(1, 16384 // (bh * elem))
     if steps is None:  # the chunk table loaded once for 4 tiles where rows are plenty
         steps = 4 if cdiv(t, br) >= 4096 else 1
     sort_chunks_kernel[(max(1, cdiv(t, br * steps)), cdiv(max(h, 1), bh))](
         inp, out, split_sizes, sorted_index, probs, pp if probs is not None else None, t, h,
         c, inp.stride(0), INVERSE=inverse, CHECK=check, HAS_P=probs is not None,
-        BLOCK_C=next_pow2(c), BLOCK_R=br, BLOCK_H=bh, STEPS=steps, num_warps=8,
+        BLOCK_C=next_pow2(c), BLOCK_R=br, BLOCK_H=bh, STEPS=steps, num_warps=num_warps,
         **assert_options(),  # check_chunks, check_probs
     )
     return out, pp
@@ -95,6 +110,8 @@ def _sort_chunks(
     sorted_index: torch.Tensor,
     probs: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    if one_launch(inp, split_sizes):
+        return sort_chunks_triton(inp, split_sizes, sorted_index, probs)
     src = chunk_source_rows(split_sizes, sorted_index, inp.shape[0])
     out = gather_rows(inp, src)
     return out, (probs.index_select(0, src) if probs is not None else inp.new_empty(0))
@@ -115,6 +132,11 @@ def _setup(ctx, inputs, output):
 def _backward(ctx, grad_out, grad_probs):
     split_sizes, sorted_index = ctx.saved_tensors
     t = grad_out.shape[0]
+    gp_in = grad_probs if ctx.has_probs else None
+    if one_launch(grad_out, split_sizes):  # the forward checked the order: a permutation
+        gi, gp = sort_chunks_triton(grad_out, split_sizes, sorted_index, gp_in, inverse=True,
+                                    check=False)
+        return gi, None, None, gp if gp_in is not None else None
     src = chunk_source_rows(split_sizes, sorted_index, t)
     # The inverse movement; index_add keeps it right even if sorted_index repeats a chunk.
     gi = torch.zeros(grad_out.shape, dtype=torch.float32, device=grad_out.device)
@@ -147,6 +169,9 @@ def _check(fn, inp, split_sizes, sorted_index, probs):
                 "must be [T]"
             )
         C.check_same_device(fn, "inp", inp, probs=probs)
+    if one_launch(inp, split_sizes):
+        return  # the kernel checks the values itself (device asserts, no launches)
+    if probs is not None:
         C.check_no_nan(fn, "probs", probs)
     if split_sizes.numel():
         c = split_sizes.numel()

@@ -50,11 +50,13 @@ def test_empty():
 @pytest.mark.parametrize("t,h,c,tail,steps", [
     (1, 1, 1, 0, None), (63, 17, 5, 9, None), (1025, 64, 16, 0, 4), (100, 300, 3, 9, 3),
     (40, 8, 300, 3, None), (0, 8, 4, 5, None),
+    (1200, 1024, 4, 5, 1),  # 4-row programs: most inside one chunk (one offset a program)
 ])
 def test_kernel_matches_reference(kdevice, t, h, c, tail, steps):
     """The one-launch Triton sort (every program derives its rows' sources from the sizes
     and the order) against the reference, into a poisoned output; zero-size chunks (C
-    past T included), rows past the chunks, several row tiles a program; the inverse
+    past T included), rows past the chunks, several row tiles a program, programs inside
+    one chunk and programs across several; the inverse
     movement (the backward) puts every row and prob back."""
     from qmoe.ops.sort_chunks import sort_chunks_triton
 

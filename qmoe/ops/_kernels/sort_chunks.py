@@ -4,7 +4,8 @@ Glossary: T rows, H hidden, C chunks, BLOCK_C = next_pow2(C), BLOCK_R rows a til
 tiles a program.
 
 Every program works out its rows' sources from the C split sizes and the chunk order
-itself (one scan over BLOCK_C a program, a few masked sums a tile), so the sort needs no
+itself (one scan over BLOCK_C a program; a few masked sums over BLOCK_C a row only where
+the program's rows span two chunks or more, else one offset for all), so the sort needs no
 source-row array and no launches of its own for it; program 0 also checks the sizes and
 the order with device asserts (launched with ``debug=True``), in place of the op's checks.
 """
@@ -104,10 +105,22 @@ def sort_chunks_kernel(
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = cols < H
     idx, idx_in, sz, szs, end = chunk_table(sizes_ptr, index_ptr, C, INVERSE, BLOCK_C)
+    # The program's first and last row: in one chunk (or both past the chunks), every row
+    # reads at the same offset, worked out once here instead of a scan over C a row.
+    first = tl.program_id(0) * (STEPS * BLOCK_R)
+    ends = first + tl.arange(0, 2) * (tl.maximum(tl.minimum(first + STEPS * BLOCK_R, T) - 1,
+                                                  first) - first)  # [2] int32
+    pos = tl.sum((end[None, :] <= ends.to(tl.int64)[:, None]).to(tl.int32), axis=1)
+    one_chunk = tl.min(pos, axis=0) == tl.max(pos, axis=0)
+    delta = tl.sum(tl.where(tl.arange(0, 2) == 0, chunk_sources(
+        ends, idx, idx_in, sz, szs, end, T, C, INVERSE, BLOCK_C) - ends, 0), axis=0)
     for step in tl.static_range(STEPS):
         rows = (tl.program_id(0) * STEPS + step) * BLOCK_R + tl.arange(0, BLOCK_R)
         rmask = rows < T
-        src = chunk_sources(rows, idx, idx_in, sz, szs, end, T, C, INVERSE, BLOCK_C)
+        if one_chunk:
+            src = tl.minimum(tl.maximum(rows.to(tl.int64) + delta, 0), T - 1)
+        else:
+            src = chunk_sources(rows, idx, idx_in, sz, szs, end, T, C, INVERSE, BLOCK_C)
         m = rmask[:, None] & hmask[None, :]
         x = tl.load(inp_ptr + src[:, None] * stride_in + cols[None, :], mask=m)
         tl.store(out_ptr + rows.to(tl.int64)[:, None] * H + cols[None, :], x, mask=m)

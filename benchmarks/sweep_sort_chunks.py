@@ -1,0 +1,97 @@
+"""Sweep the one-launch chunk sort (``sort_chunks_triton``): columns a tile x row tiles a
+program x warps, forward and inverse (the backward), next to the op's gather path
+(``chunk_source_rows`` + ``gather_rows``). CUDA-graph medians, % of copy bandwidth.
+
+    python benchmarks/sweep_sort_chunks.py [--out F] [--configs dsv3,qwen3]
+        [--block-h 1024,4096,8192] [--steps 1,4] [--warps 4,8] [--random-sizes]
+
+Chunks: E of them (an EP rank's received chunks, one per expert), N = T*K rows; sizes
+N/E each, or with ``--random-sizes`` a random split of N (zero-size chunks included).
+Bytes: N rows read and N rows written. Every variant's output is checked bit-exact
+against the gather path's before it is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_permute import CONFIGS  # noqa: E402
+from common import copy_bandwidth_gbs, env_info, graph_median_ms, write_json  # noqa: E402
+
+from qmoe.ops.backend import gather_rows  # noqa: E402
+from qmoe.ops.sort_chunks import chunk_source_rows, sort_chunks_triton  # noqa: E402
+
+
+def _ints(s: str) -> list[int]:
+    return [int(v) for v in s.split(",") if v]
+
+
+def run_config(name, copy_bw, block_hs, steps_list, warps, random_sizes) -> list[dict]:
+    t, h, e, k = CONFIGS[name]
+    n = t * k
+    y = torch.randn(n, h, dtype=torch.bfloat16, device="cuda")
+    if random_sizes:
+        cuts = torch.sort(torch.randint(0, n + 1, (e - 1,))).values
+        sizes = torch.diff(torch.cat([torch.tensor([0]), cuts, torch.tensor([n])])).cuda()
+    else:
+        sizes = torch.full((e,), n // e, device="cuda")
+    order = torch.randperm(e, device="cuda")
+    nbytes = 2 * n * h * 2
+    ref = gather_rows(y, chunk_source_rows(sizes, order, n))
+    rows = []
+
+    def record(variant, fn):
+        ms = graph_median_ms(fn)
+        pct = 100 * nbytes / (ms * 1e-3) / 1e9 / copy_bw
+        rows.append({"config": name, "variant": variant, "graph_ms": round(ms, 4),
+                     "pct_copy_bw": round(pct, 1)})
+        print(f"{name:>9} {variant:>40}: {ms:8.4f} ms {pct:5.1f}% of copy", file=sys.stderr)
+
+    record("op path (source rows + gather)",
+           lambda: gather_rows(y, chunk_source_rows(sizes, order, n)))
+    out = torch.empty_like(y)
+    for bh in block_hs:
+        for st in steps_list:
+            for nw in warps:
+                kw = dict(block_h=bh, steps=st, num_warps=nw, out=out)
+                got, _ = sort_chunks_triton(y, sizes, order, **kw)
+                assert torch.equal(got, ref), (name, bh, st, nw)
+                back, _ = sort_chunks_triton(got, sizes, order, inverse=True, check=False,
+                                             block_h=bh, steps=st, num_warps=nw)
+                assert torch.equal(back, y), (name, bh, st, nw, "inverse")
+                record(f"bh {bh} steps {st} warps {nw}",
+                       lambda kw=kw: sort_chunks_triton(y, sizes, order, **kw))
+                record(f"  inverse bh {bh} steps {st} warps {nw}",
+                       lambda bh=bh, st=st, nw=nw: sort_chunks_triton(
+                           ref, sizes, order, inverse=True, check=False, block_h=bh,
+                           steps=st, num_warps=nw, out=out))
+    record("launcher's default tiling", lambda: sort_chunks_triton(y, sizes, order, out=out))
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out")
+    ap.add_argument("--configs", default="dsv3,qwen3,qwen3next,mixtral,gptoss,small")
+    ap.add_argument("--block-h", default="1024,4096,8192")
+    ap.add_argument("--steps", default="1,4")
+    ap.add_argument("--warps", default="8")
+    ap.add_argument("--random-sizes", action="store_true")
+    a = ap.parse_args()
+    copy_bw = copy_bandwidth_gbs()
+    rows = []
+    for name in a.configs.split(","):
+        rows += run_config(name, copy_bw, _ints(a.block_h), _ints(a.steps), _ints(a.warps),
+                           a.random_sizes)
+    write_json(a.out, {"bench": "sweep_sort_chunks", "env": env_info(),
+                       "copy_bw_gbs": round(copy_bw, 1), "args": vars(a), "results": rows})
+
+
+if __name__ == "__main__":
+    main()
