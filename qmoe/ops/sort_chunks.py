@@ -32,9 +32,9 @@ def sort_chunks_triton(
     *,
     inverse: bool = False,
     check: bool = True,
-    steps: int | None = None,
+    steps: int = 1,
     block_h: int | None = None,
-    num_warps: int = 8,
+    num_warps: int = 4,
     out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [T, H], probs moved alike [T] or empty)``: the chunk sort of ``inp [T, H]``
@@ -43,10 +43,13 @@ def sort_chunks_triton(
     and the order in registers.
     ``inverse``: the movement back (the backward; assumes a valid order). ``check``:
     program 0 asserts on the device that the sizes are >= 0 and sum to at most T and that
-    the order is a permutation; moved probs must not be NaN. No host sync. ``steps``
-    overrides the row tiles a program (tests), ``block_h`` the columns a tile and
-    ``num_warps`` the warps a program (``benchmarks/sweep_sort_chunks.py``); ``out``
-    (tests: poisoned) receives the rows."""
+    the order is a permutation; moved probs must not be NaN. No host sync.
+
+    Tiles: ~16 KiB of rows (``block_h`` columns, up to 16 KiB of one row), one tile
+    (``steps``) and 4 warps (``num_warps``) a program; from
+    ``benchmarks/sweep_sort_chunks.py`` on the H200 (docs/benchmarks.md, session 8): within
+    3 points of the best of 16 tilings at dsv3, qwen3, qwen3next, mixtral and gptoss, where
+    8 warps lost up to 45 points. ``out`` (tests: poisoned) receives the rows."""
     from qmoe.ops._kernels.sort_chunks import sort_chunks_kernel
 
     t, h = inp.shape
@@ -65,8 +68,6 @@ def sort_chunks_triton(
         block_h = max(16, min(16384 // elem, next_pow2(max(h, 1))))
     bh = block_h
     br = max(1, 16384 // (bh * elem))
-    if steps is None:  # the chunk table loaded once for 4 tiles where rows are plenty
-        steps = 4 if cdiv(t, br) >= 4096 else 1
     sort_chunks_kernel[(max(1, cdiv(t, br * steps)), cdiv(max(h, 1), bh))](
         inp, out, split_sizes, sorted_index, probs, pp if probs is not None else None, t, h,
         c, inp.stride(0), INVERSE=inverse, CHECK=check, HAS_P=probs is not None,
@@ -129,23 +130,62 @@ def _setup(ctx, inputs, output):
     ctx.has_probs = probs is not None
 
 
-def _backward(ctx, grad_out, grad_probs):
-    split_sizes, sorted_index = ctx.saved_tensors
+@define(
+    "sort_chunks_backward(Tensor grad_out, Tensor split_sizes, Tensor sorted_index, "
+    "Tensor? grad_probs) -> (Tensor, Tensor)"
+)
+def _sort_chunks_backward(
+    grad_out: torch.Tensor,
+    split_sizes: torch.Tensor,
+    sorted_index: torch.Tensor,
+    grad_probs: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunk sort's inverse movement: ``(grad_inp [T, H], grad_probs [T] or empty)``.
+    CUDA: the one-launch kernel run backwards (the forward checked that the order is a
+    permutation); CPU: an fp32 ``index_add`` over the forward's source rows, right even
+    if ``sorted_index`` repeated a chunk."""
+    if one_launch(grad_out, split_sizes):
+        return sort_chunks_triton(grad_out, split_sizes, sorted_index, grad_probs,
+                                  inverse=True, check=False)
     t = grad_out.shape[0]
-    gp_in = grad_probs if ctx.has_probs else None
-    if one_launch(grad_out, split_sizes):  # the forward checked the order: a permutation
-        gi, gp = sort_chunks_triton(grad_out, split_sizes, sorted_index, gp_in, inverse=True,
-                                    check=False)
-        return gi, None, None, gp if gp_in is not None else None
     src = chunk_source_rows(split_sizes, sorted_index, t)
-    # The inverse movement; index_add keeps it right even if sorted_index repeats a chunk.
     gi = torch.zeros(grad_out.shape, dtype=torch.float32, device=grad_out.device)
     gi = gi.index_add(0, src, grad_out.float()).to(grad_out.dtype)
-    gp = None
-    if ctx.has_probs and grad_probs is not None:
+    gp = grad_out.new_empty(0)
+    if grad_probs is not None:
         gp = torch.zeros(t, dtype=torch.float32, device=grad_probs.device)
         gp = gp.index_add(0, src, grad_probs.float()).to(grad_probs.dtype)
-    return gi, None, None, gp
+    return gi, gp
+
+
+@_sort_chunks_backward.register_fake
+def _(grad_out, split_sizes, sorted_index, grad_probs):
+    gp = torch.empty_like(grad_probs) if grad_probs is not None else grad_out.new_empty(0)
+    return torch.empty_like(grad_out), gp
+
+
+def _backward(ctx, grad_out, grad_probs):
+    split_sizes, sorted_index = ctx.saved_tensors
+    gp_in = grad_probs if ctx.has_probs else None
+    gi, gp = torch.ops.qmoe.sort_chunks_backward(grad_out, split_sizes, sorted_index, gp_in)
+    return gi, None, None, gp if gp_in is not None else None
+
+
+def _setup_backward(ctx, inputs, output):
+    _, split_sizes, sorted_index, grad_probs = inputs
+    ctx.save_for_backward(split_sizes, sorted_index)
+    ctx.has_probs = grad_probs is not None
+
+
+def _double_backward(ctx, gg_inp, gg_probs):
+    """The inverse of the inverse movement: the forward sort."""
+    split_sizes, sorted_index = ctx.saved_tensors
+    gp_in = gg_probs if ctx.has_probs else None
+    g, gp = torch.ops.qmoe.sort_chunks(gg_inp, split_sizes, sorted_index, gp_in)
+    return g, None, None, gp if gp_in is not None else None
+
+
+_sort_chunks_backward.register_autograd(_double_backward, setup_context=_setup_backward)
 
 
 _sort_chunks.register_autograd(_backward, setup_context=_setup)

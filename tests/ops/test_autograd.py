@@ -93,3 +93,21 @@ def test_unpermute_probs_grad_without_input_grad():
     qmoe.moe_unpermute(out, rid, w).sum().backward()
     assert w.grad is not None and w.grad.abs().sum() > 0
     assert torch.equal(w.grad[~mask], torch.zeros_like(w.grad[~mask]))
+
+
+def test_sort_chunks_double_backward():
+    """The backward (``qmoe::sort_chunks_backward``, the inverse movement) is itself
+    differentiable: its gradient is the forward sort, bit for bit."""
+    t, h = 40, 8
+    x = torch.randn(t, h, device=DEV, requires_grad=True)
+    p = torch.rand(t, device=DEV, requires_grad=True)
+    sizes = torch.tensor([5, 0, 12, 3, 10], device=DEV)
+    order = torch.tensor([3, 0, 4, 1, 2], device=DEV)
+    out, pp = qmoe.moe_sort_chunks_by_index_with_probs(x, p, sizes, order)
+    g = torch.randn_like(out, requires_grad=True)
+    gq = torch.randn_like(pp, requires_grad=True)
+    gx, gp = torch.autograd.grad((out, pp), (x, p), (g, gq), create_graph=True)
+    u, v = torch.randn_like(gx), torch.randn_like(gp)
+    dg, dgq = torch.autograd.grad(((gx * u).sum(), (gp * v).sum()), (g, gq))
+    want, want_p = qmoe.moe_sort_chunks_by_index_with_probs(u, v, sizes, order)
+    assert torch.equal(dg, want) and torch.equal(dgq, want_p)

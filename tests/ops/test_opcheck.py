@@ -62,6 +62,11 @@ def _cases():
         yield f"sort_chunks-{t}", ops.sort_chunks.default, (x, sizes, order, None)
         yield f"per_tensor_scale-{t}", ops.per_tensor_scale.default, (x.detach(), 448.0, False)
         yield f"sort_chunks_probs-{t}", ops.sort_chunks.default, (x, sizes, order, p1)
+        g1 = torch.randn(t, device=DEV, requires_grad=True)
+        yield (f"sort_chunks_bwd-{t}", ops.sort_chunks_backward.default,
+               (torch.randn(t, h, device=DEV, requires_grad=True), sizes, order, g1))
+        yield (f"sort_chunks_bwd_noprobs-{t}", ops.sort_chunks_backward.default,
+               (torch.randn(t, h, device=DEV), sizes, order, None))
 
 
 CASES = list(_cases())
