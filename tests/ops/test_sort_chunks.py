@@ -48,8 +48,8 @@ def test_empty():
 
 
 @pytest.mark.parametrize("t,h,c,tail,steps", [
-    (1, 1, 1, 0, None), (63, 17, 5, 9, None), (1025, 64, 16, 0, 4), (100, 300, 3, 9, 3),
-    (40, 8, 300, 3, None), (0, 8, 4, 5, None),
+    (1, 1, 1, 0, 1), (63, 17, 5, 9, 1), (1025, 64, 16, 0, 4), (100, 300, 3, 9, 3),
+    (40, 8, 300, 3, 1), (0, 8, 4, 5, 1),
     (1200, 1024, 4, 5, 1),  # 4-row programs: most inside one chunk (one offset a program)
 ])
 def test_kernel_matches_reference(kdevice, t, h, c, tail, steps):
