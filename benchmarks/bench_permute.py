@@ -135,6 +135,9 @@ def run_config(name: str, copy_bw: float, dev: str = "cuda", ops: str = "",
             lambda q=q: qmoe.moe_permute(q, mask, n), qmove + map_bytes)
         cases[f"fp8 {rname}: permute rows only"] = (
             lambda q=q: torch.ops.qmoe.permute(q, rid, None, n), qmove)
+        cases[f"fp8 {rname}: sort_chunks"] = (
+            lambda qy=qy: qmoe.moe_sort_chunks_by_index(qy, sizes, chunk_order),
+            2 * n * per_row)
         cases[f"fp8 {rname}: unpermute(merging_probs)"] = (
             lambda qy=qy: qmoe.moe_unpermute(qy, rid, probs), n * per_row + t * row_bytes)
         # Fused quantize-and-permute (issue 9): read T*H bf16, write N rows of fp8 + scales;
