@@ -124,7 +124,7 @@ def permute_rows(
         if side is not None:
             side_out.zero_()[row] = side[tok]
         return out
-    from qmoe.ops._kernels.permute import permute_scatter_kernel, zero_rows_kernel
+    from qmoe.ops._kernels.permute import permute_scatter_kernel
 
     if out is None:  # (tests pass a poisoned ``out`` to see every row gets written)
         out = torch.empty(n, h, dtype=x.dtype, device=x.device)
@@ -156,12 +156,28 @@ def permute_rows(
             BLOCK_S=bs, num_warps=nw, **assert_options(),  # check_probs
         )
     if not has_f:
-        zero_rows_kernel[(cdiv(n, 64),)](
-            out, written, probs_out if has_p else None, side_out if has_s else None, n, h, ns,
-            HAS_P=has_p, HAS_SIDE=has_s, BLOCK_R=64,
-            BLOCK_H=min(bh, 64), BLOCK_S=bs, num_warps=4,
-        )
+        zero_unwritten_rows(out, written, probs_out if has_p else None,
+                            side_out if has_s else None)
     return out
+
+
+def zero_unwritten_rows(
+    out: torch.Tensor,
+    written: torch.Tensor,
+    probs_out: torch.Tensor | None = None,
+    side_out: torch.Tensor | None = None,
+) -> None:
+    """Zero the rows of ``out`` ``[N, H]`` (and of ``probs_out`` ``[N]``, ``side_out``
+    ``[N, NS]``) whose ``written`` flag (``[N]`` int8) a scatter left 0 (CUDA)."""
+    from qmoe.ops._kernels.permute import zero_rows_kernel
+
+    n, h = out.shape
+    ns = side_out.shape[1] if side_out is not None else 0
+    zero_rows_kernel[(cdiv(n, 64),)](
+        out, written, probs_out, side_out, n, h, ns, HAS_P=probs_out is not None,
+        HAS_SIDE=side_out is not None, BLOCK_R=64, BLOCK_H=min(_block_h(h), 64),
+        BLOCK_S=next_pow2(max(ns, 1)), num_warps=4,
+    )
 
 
 def scatter_programs(t: int, n: int, fill: torch.Tensor | None) -> tuple[int, int, int]:

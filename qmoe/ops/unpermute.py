@@ -4,9 +4,16 @@ from __future__ import annotations
 
 import torch
 
+from qmoe._intmath import next_pow2
 from qmoe._library import define
 from qmoe.ops import _checks as C
-from qmoe.ops.backend import merge_weight_grad, permute_rows, unpermute_rows
+from qmoe.ops.backend import (
+    merge_weight_grad,
+    permute_rows,
+    unpermute_rows,
+    wgrad_tile,
+    zero_unwritten_rows,
+)
 from qmoe.ops.row_id_map import num_slots
 
 
@@ -20,6 +27,46 @@ def _unpermute(
 @_unpermute.register_fake
 def _(inp, row_id_map, merging_probs):
     return inp.new_empty((row_id_map.shape[0], inp.shape[1]))
+
+
+def merge_backward_triton(
+    grad_out: torch.Tensor,
+    fwd_inp: torch.Tensor,
+    row_id_map: torch.Tensor,
+    merging_probs: torch.Tensor,
+    *,
+    kb: int | None = None,
+    block_h: int | None = None,
+    num_warps: int | None = None,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both gradients of the weighted merge in one pass (CUDA, or CPU under the
+    interpreter): ``(grad_inp [N, H] in grad_out's dtype, grad_merging_probs [T, P] in
+    merging_probs' dtype)`` for ``grad_out [T, H]``, the merge's input ``fwd_inp [N, H]``
+    and ``merging_probs [T, P]``. Rows no token reads are zero (flagged, then zeroed by a
+    second launch). ``kb``/``block_h``/``num_warps`` override ``wgrad_tile``'s routes a
+    step, columns a tile and warps (benchmarks); ``out`` (tests: poisoned) receives
+    ``grad_inp``. No host sync."""
+    from qmoe.ops._kernels.unpermute import merge_backward_kernel
+
+    t, h = grad_out.shape
+    n, p = fwd_inp.shape[0], merging_probs.shape[1]
+    gi = grad_out.new_empty((n, h)) if out is None else out
+    gw = merging_probs.new_empty((t, p))
+    if t == 0:
+        return gi.zero_(), gw
+    if merging_probs.stride(1) != 1:
+        merging_probs = merging_probs.contiguous()
+    tkb, tbh, tnw = wgrad_tile(h)
+    written = torch.zeros(n, dtype=torch.int8, device=grad_out.device)
+    merge_backward_kernel[(t,)](
+        grad_out.contiguous(), fwd_inp.contiguous(), row_id_map, merging_probs, gi, written,
+        gw, n, h, num_slots(row_id_map), p, merging_probs.stride(0), KB=kb or tkb,
+        BLOCK_H=block_h or tbh, BLOCK_P=next_pow2(p), num_warps=num_warps or tnw,
+    )
+    if n:
+        zero_unwritten_rows(gi, written)
+    return gi, gw
 
 
 @define(
@@ -36,6 +83,8 @@ def _unpermute_backward(
     """``grad_inp [N, H]`` (grad_out[t] * weight at each of t's rows, zero on rows no
     token reads) and ``grad_merging_probs [T, P]`` (``<grad_out[t], inp[row]>``, fp32
     accumulation; empty without merging_probs)."""
+    if grad_out.is_cuda and merging_probs is not None and fwd_inp is not None:
+        return merge_backward_triton(grad_out, fwd_inp, row_id_map, merging_probs)
     grad_inp = permute_rows(grad_out, row_id_map, num_rows, merging_probs)
     if merging_probs is None or fwd_inp is None:
         return grad_inp, grad_out.new_empty(0)

@@ -126,6 +126,38 @@ def test_weight_grad_wide_tiles(kdevice):
         _check_weight_grad(kdevice, rid, torch.randn(n, h, device=kdevice), e)
 
 
+@pytest.mark.parametrize("t,h,e,k,kind,extra", CASES + [(9, 2880, 16, 8, "sentinels", -2)])
+@pytest.mark.parametrize("map_type", ["mask", "index"])
+def test_merge_backward_one_pass(kdevice, t, h, e, k, kind, extra, map_type):
+    """Both gradients of the weighted merge in one kernel (``merge_backward_triton``):
+    grad_inp bit-exact against the torch scatter of ``grad * weight`` (rows no token
+    reads zero, into poison), the weights' gradient against fp64 dot products (exact zeros
+    off the kept routes) in the weights' dtype; dropped routes, spare rows, 1-column rows
+    and 2880 columns (two 1024-column tiles and a partial one, 8 routes a token)."""
+    from qmoe.ops.unpermute import merge_backward_triton
+
+    ids, mask = routing(t, e, k, kind, kdevice)
+    rm = mask if map_type == "mask" else ids
+    n = max(0, int(mask.sum()) + extra)
+    rid, _ = make_row_id_map(rm, n, map_type == "index", 1)
+    tok, row, col = B._routes(rid)
+    for dtype in _dtypes(kdevice):
+        g = torch.randn(t, h, device=kdevice).to(dtype)
+        y = torch.randn(n, h, device=kdevice).to(dtype)
+        w = torch.rand(t, rm.shape[1], device=kdevice).to(dtype)
+        gi, gw = merge_backward_triton(g, y, rid, w, out=_poison((n, h), dtype, kdevice))
+        assert_same_bits(gi.cpu(), B.permute_rows(g.cpu(), rid.cpu(), n, w.cpu(),
+                                                  use_triton=False))
+        assert gw.dtype == w.dtype and gw.shape == w.shape
+        ref = torch.zeros(t, rm.shape[1], dtype=torch.float64, device=kdevice)
+        ref[tok, col] = (g.double()[tok] * y.double()[row]).sum(1)
+        tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-3}[dtype]
+        torch.testing.assert_close(gw.double(), ref, rtol=tol, atol=tol * max(1, h) ** 0.5)
+        off = torch.ones_like(ref, dtype=torch.bool)
+        off[tok, col] = False
+        assert (gw[off] == 0).all()
+
+
 def test_padded_map_kernels_zero_padding(kdevice):
     t, h, e = 50, 40, 8
     ids, mask = routing(t, e, 2, "empty_experts", kdevice)

@@ -117,6 +117,10 @@ def _launches():
     y4 = y.repeat(1, 4096 // h + 1)[:, :4096]  # the 2048-column, 8-warp weight gradient
     B.merge_weight_grad(torch.zeros(x.shape[0], 4096, dtype=x.dtype), y4, rid, e,
                         use_triton=True)
+    from qmoe.ops.unpermute import merge_backward_triton
+
+    merge_backward_triton(x, y, rid, probs)  # both merge gradients in one pass
+    merge_backward_triton(torch.zeros(x.shape[0], 4096, dtype=x.dtype), y4, rid, probs)
     B.gather_rows(y, torch.arange(n), use_triton=True)
     from qmoe.ops.sort_chunks import sort_chunks_triton
 
