@@ -68,7 +68,8 @@ def run_config(name, copy_bw, kbs, bhs, warps) -> list[dict]:
                 torch.testing.assert_close(gw, ref_gw, rtol=1e-5, atol=1e-3)
                 record(f"one pass kb {kb} bh {bh} warps {nw}",
                        lambda kw=kw: merge_backward_triton(g, y, rid, probs, **kw))
-    record("one pass, wgrad_tile's tiling", lambda: merge_backward_triton(g, y, rid, probs))
+    record("one pass, merge_backward_tile's tiling",
+           lambda: merge_backward_triton(g, y, rid, probs))
     return rows
 
 

@@ -263,6 +263,20 @@ def wgrad_tile(h: int) -> tuple[int, int, int]:
     return 2, min(1024, _block_h(h)), 4
 
 
+def merge_backward_tile(h: int, p: int) -> tuple[int, int, int]:
+    """``(KB, BLOCK_H, num_warps)`` of ``merge_backward_kernel`` (both gradients of the
+    weighted merge, ``p`` weight columns): up to 1024 columns and 4 warps a program; four
+    routes' rows a step from H = 4096 with 16 or more weight columns, else two. From
+    ``benchmarks/sweep_merge_backward.py`` on the H200 (docs/benchmarks.md, session 8; mask
+    maps, % of copy, against the two-kernel form before): dsv3 85.3 (77.4), qwen3 88.6
+    (82.7), qwen3next 86.0 (79.5), mixtral 81.7 (63.5), gptoss 79.8 (63.5). Four routes a
+    step won at dsv3 and qwen3 (K = 8) and lost 18 points at mixtral (K = 2). The host
+    cannot tell K from a mask map without a sync, so E (its weight columns) stands in:
+    mixtral has 8. An index map's columns are K itself (at H >= 4096, K >= 16 takes
+    four)."""
+    return (4 if h >= 4096 and p >= 16 else 2), min(1024, _block_h(h)), 4
+
+
 def merge_weight_grad(
     grad: torch.Tensor,
     x: torch.Tensor,

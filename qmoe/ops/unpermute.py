@@ -8,10 +8,10 @@ from qmoe._intmath import next_pow2
 from qmoe._library import define
 from qmoe.ops import _checks as C
 from qmoe.ops.backend import (
+    merge_backward_tile,
     merge_weight_grad,
     permute_rows,
     unpermute_rows,
-    wgrad_tile,
     zero_unwritten_rows,
 )
 from qmoe.ops.row_id_map import num_slots
@@ -44,7 +44,7 @@ def merge_backward_triton(
     interpreter): ``(grad_inp [N, H] in grad_out's dtype, grad_merging_probs [T, P] in
     merging_probs' dtype)`` for ``grad_out [T, H]``, the merge's input ``fwd_inp [N, H]``
     and ``merging_probs [T, P]``. Rows no token reads are zero (flagged, then zeroed by a
-    second launch). ``kb``/``block_h``/``num_warps`` override ``wgrad_tile``'s routes a
+    second launch). ``kb``/``block_h``/``num_warps`` override ``merge_backward_tile``'s routes a
     step, columns a tile and warps (benchmarks); ``out`` (tests: poisoned) receives
     ``grad_inp``. No host sync."""
     from qmoe.ops._kernels.unpermute import merge_backward_kernel
@@ -57,7 +57,7 @@ def merge_backward_triton(
         return gi.zero_(), gw
     if merging_probs.stride(1) != 1:
         merging_probs = merging_probs.contiguous()
-    tkb, tbh, tnw = wgrad_tile(h)
+    tkb, tbh, tnw = merge_backward_tile(h, p)
     written = torch.zeros(n, dtype=torch.int8, device=grad_out.device)
     merge_backward_kernel[(t,)](
         grad_out.contiguous(), fwd_inp.contiguous(), row_id_map, merging_probs, gi, written,

@@ -126,14 +126,17 @@ def test_weight_grad_wide_tiles(kdevice):
         _check_weight_grad(kdevice, rid, torch.randn(n, h, device=kdevice), e)
 
 
-@pytest.mark.parametrize("t,h,e,k,kind,extra", CASES + [(9, 2880, 16, 8, "sentinels", -2)])
+@pytest.mark.parametrize("t,h,e,k,kind,extra", CASES + [
+    (9, 2880, 16, 8, "sentinels", -2),  # 2 routes a step, 1024-column tiles, partial last
+    (5, 4100, 16, 7, "random", 3),  # 4 routes a step (H >= 4096, 16 columns)
+])
 @pytest.mark.parametrize("map_type", ["mask", "index"])
 def test_merge_backward_one_pass(kdevice, t, h, e, k, kind, extra, map_type):
     """Both gradients of the weighted merge in one kernel (``merge_backward_triton``):
     grad_inp bit-exact against the torch scatter of ``grad * weight`` (rows no token
     reads zero, into poison), the weights' gradient against fp64 dot products (exact zeros
-    off the kept routes) in the weights' dtype; dropped routes, spare rows, 1-column rows
-    and 2880 columns (two 1024-column tiles and a partial one, 8 routes a token)."""
+    off the kept routes) in the weights' dtype; dropped routes, spare rows, 1-column rows,
+    wide rows in 1024-column tiles (the last partial), two and four routes a step."""
     from qmoe.ops.unpermute import merge_backward_triton
 
     ids, mask = routing(t, e, k, kind, kdevice)

@@ -77,6 +77,28 @@ def test_kernel_matches_reference(kdevice, t, h, c, tail, steps):
     assert_same_bits(bp, probs)
 
 
+@pytest.mark.parametrize("h,dtype", [(64, torch.uint8), (90, torch.uint8), (16, torch.float32)])
+def test_kernel_short_rows_many_chunks(kdevice, h, dtype):
+    """Short rows (FP8 scale rows) with many chunks: byte rows whose layout allows move as
+    int32 words (h = 64; not h = 90), and tiles are cut to at most MAX_SCAN_ELEMENTS
+    rows x chunks, with more row tiles a program (300 chunks: 512 in the scan)."""
+    from qmoe.ops.sort_chunks import MAX_SCAN_ELEMENTS, sort_chunks_triton
+
+    assert MAX_SCAN_ELEMENTS < 256 * 512  # the cut applies here
+    t, c = 2000, 300
+    x = (torch.randint(0, 256, (t + 5, h)) if dtype == torch.uint8
+         else torch.randn(t + 5, h)).to(dtype).to(kdevice)
+    cuts = torch.sort(torch.randint(0, t + 1, (c - 1,))).values
+    sizes = torch.diff(torch.cat([torch.tensor([0]), cuts, torch.tensor([t])]))
+    order = torch.randperm(c)
+    poison = torch.full_like(x, 0xFF if dtype == torch.uint8 else float("nan"))
+    out, _ = sort_chunks_triton(x, sizes.to(kdevice), order.to(kdevice), out=poison)
+    assert_same_bits(out.cpu(), R.sort_chunks(x.cpu(), sizes.tolist(), order.tolist())[0])
+    back, _ = sort_chunks_triton(out, sizes.to(kdevice), order.to(kdevice), inverse=True,
+                                 check=False)
+    assert_same_bits(back, x)
+
+
 _BAD = {  # (sizes, order, NaN prob): T = 12 rows
     "negative size": ([5, -1, 8], [2, 0, 1], False, "split_sizes must be >= 0"),
     "sizes past T": ([5, 3, 8], [2, 0, 1], False, "sum to at most T"),
