@@ -127,6 +127,9 @@ def _launches():
     sizes, order = torch.tensor([n // 2, n - n // 2]), torch.tensor([1, 0])
     sort_chunks_triton(y, sizes, order, torch.rand(n))
     sort_chunks_triton(y, sizes, order, torch.rand(n), inverse=True, check=False, steps=4)
+    # short byte rows (FP8 scales) as int32 words, tiles cut for 300 chunks
+    cs = torch.full((300,), 2)
+    sort_chunks_triton(torch.zeros(600, 64, dtype=torch.uint8), cs, torch.randperm(300))
     for recipe in (qmoe.PerTensor(), qmoe.Blockwise(), qmoe.MXFP8(),
                    qmoe.MXFP8(fp8_dtype=torch.float8_e5m2)):
         q = qmoe.quantize(y.float(), recipe)
