@@ -74,7 +74,10 @@ def sort_chunks_triton(
     block_c = next_pow2(c)
     if br * block_c > MAX_SCAN_ELEMENTS:  # short rows, many chunks: bound the per-row scan
         cap = max(1, MAX_SCAN_ELEMENTS // block_c)
-        steps, br = steps * min(8, br // cap), cap  # about the same rows a program
+        # the cut tiles in up to 8 steps a program (one chunk table for all), as long as
+        # that leaves about 2048 programs or more
+        steps *= max(1, min(8, br // cap, cdiv(t, cap) // 2048))
+        br = cap
     sort_chunks_kernel[(max(1, cdiv(t, br * steps)), cdiv(max(hw, 1), bh))](
         src, dst, split_sizes, sorted_index, probs, pp if probs is not None else None, t, hw,
         c, src.stride(0), INVERSE=inverse, CHECK=check, HAS_P=probs is not None,
@@ -90,7 +93,8 @@ SHORT_ROW_BYTES = 1024
 #: Largest ``BLOCK_R * BLOCK_C`` of a tile: a program whose rows straddle a chunk boundary
 #: scans the chunks for each row (``chunk_sources``), ``[BLOCK_R, BLOCK_C]`` at a time. At
 #: 256 rows x 512 chunks (qwen3next's FP8 scale rows) that ran at 10% of copy; the measured
-#: bf16 tilings stay at or under it (qwen3next: 4 rows x 512 chunks).
+#: bf16 tilings stay at or under it (qwen3next: 4 rows x 512 chunks). The cut and the
+#: int32 words were made after the last device call of session 8: not yet measured.
 MAX_SCAN_ELEMENTS = 4096
 
 

@@ -77,11 +77,12 @@ def test_kernel_matches_reference(kdevice, t, h, c, tail, steps):
     assert_same_bits(bp, probs)
 
 
-@pytest.mark.parametrize("h,dtype", [(64, torch.uint8), (90, torch.uint8), (16, torch.float32)])
-def test_kernel_short_rows_many_chunks(kdevice, h, dtype):
+@pytest.mark.parametrize("h,dtype,steps", [(64, torch.uint8, 1), (90, torch.uint8, 3),
+                                           (16, torch.float32, 1)])
+def test_kernel_short_rows_many_chunks(kdevice, h, dtype, steps):
     """Short rows (FP8 scale rows) with many chunks: byte rows whose layout allows move as
     int32 words (h = 64; not h = 90), and tiles are cut to at most MAX_SCAN_ELEMENTS
-    rows x chunks, with more row tiles a program (300 chunks: 512 in the scan)."""
+    rows x chunks (300 chunks: 512 in the scan), one or several tiles a program."""
     from qmoe.ops.sort_chunks import MAX_SCAN_ELEMENTS, sort_chunks_triton
 
     assert MAX_SCAN_ELEMENTS < 256 * 512  # the cut applies here
@@ -92,10 +93,11 @@ def test_kernel_short_rows_many_chunks(kdevice, h, dtype):
     sizes = torch.diff(torch.cat([torch.tensor([0]), cuts, torch.tensor([t])]))
     order = torch.randperm(c)
     poison = torch.full_like(x, 0xFF if dtype == torch.uint8 else float("nan"))
-    out, _ = sort_chunks_triton(x, sizes.to(kdevice), order.to(kdevice), out=poison)
+    out, _ = sort_chunks_triton(x, sizes.to(kdevice), order.to(kdevice), steps=steps,
+                                out=poison)
     assert_same_bits(out.cpu(), R.sort_chunks(x.cpu(), sizes.tolist(), order.tolist())[0])
     back, _ = sort_chunks_triton(out, sizes.to(kdevice), order.to(kdevice), inverse=True,
-                                 check=False)
+                                 check=False, steps=steps)
     assert_same_bits(back, x)
 
 
