@@ -1,7 +1,8 @@
 """Sweep the merge (unpermute gather) kernel: tile x warps x pipeline stages x cache
 hint, and a two-routes-a-step variant, next to the whole ``moe_unpermute`` op (CUDA-graph
-medians); ``--more`` adds an even split of H over the column programs and the FP8 merge;
-``--wgrad`` sweeps the merge's weight gradient kernel instead.
+medians); ``--more`` adds an even split of H over the column programs and the FP8 merge.
+(Its ``--wgrad`` sweep of the separate weight-gradient kernel went with that kernel in
+session 8: ``sweep_merge_backward.py`` sweeps the one-pass backward that replaced it.)
 
     python benchmarks/sweep_gather.py [--out sweep_gather.json] [--configs dsv3,qwen3]
 
@@ -34,7 +35,6 @@ from qmoe.ops._kernels.permute import (  # noqa: E402
     _merge_add,
     _route,
     check_routes,
-    merge_weight_grad_kernel,
     unpermute_fp8_kernel,
     unpermute_gather_kernel,
 )
@@ -249,36 +249,6 @@ def sweep_config(name: str, copy_bw: float, more: bool = False,
     return rows
 
 
-def sweep_wgrad(name: str, copy_bw: float) -> list[dict]:
-    """The merge's weight gradient (``merge_weight_grad_kernel``, half of the unpermute
-    backward with merging probs) per routes a step (KB) x tile x warps, kernel alone; bytes:
-    the N forward rows and the T gradient rows read once."""
-    t, h, e, k = CONFIGS[name]
-    n = t * k
-    ids = torch.rand(t, e, device="cuda").argsort(dim=1)[:, :k]
-    mask = torch.zeros(t, e, dtype=torch.bool, device="cuda").scatter_(1, ids, True)
-    _, rid = qmoe.moe_permute(torch.empty(t, h, dtype=torch.bfloat16, device="cuda"), mask, n)
-    s = num_slots(rid)
-    y = torch.randn(n, h, dtype=torch.bfloat16, device="cuda")
-    g = torch.randn(t, h, dtype=torch.bfloat16, device="cuda")
-    gw = torch.zeros(t, e, device="cuda")
-    nbytes = (n + t) * h * 2
-    rows = []
-    for kb in (1, 2, 4, 8):
-        for bh in (512, 1024, 2048):
-            for nw in (4, 8):
-                ms = graph_median_ms(lambda kb=kb, bh=bh, nw=nw: merge_weight_grad_kernel[(t,)](
-                    g, y, rid, gw, h, s, gw.stride(0), KB=kb, BLOCK_H=bh, num_warps=nw),
-                    rep=100)
-                pct = 100 * nbytes / (ms * 1e-3) / 1e9 / copy_bw
-                rows.append({"config": name, "kernel": "merge_weight_grad", "KB": kb,
-                             "BLOCK_H": bh, "num_warps": nw, "ms": round(ms, 4),
-                             "pct_copy_bw": round(pct, 1)})
-                print(name, "wgrad", kb, bh, nw, f"{ms:.4f} ms {pct:.1f}%", file=sys.stderr,
-                      flush=True)
-    return rows
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=None)
@@ -290,18 +260,13 @@ def main() -> None:
                         "512 columns and at one tile, against one route a step")
     p.add_argument("--quick", action="store_true",
                    help="only the small evict-first tiles (the forms that won)")
-    p.add_argument("--wgrad", action="store_true",
-                   help="only the weight gradient kernel (routes a step x tile x warps)")
     a = p.parse_args()
     if not torch.cuda.is_available():
         print("sweep_gather: needs CUDA, skipped")
         return
     copy_bw = copy_bandwidth_gbs()
-    if a.wgrad:
-        rows = [r for name in a.configs.split(",") for r in sweep_wgrad(name, copy_bw)]
-    else:
-        rows = [r for name in a.configs.split(",")
-                for r in sweep_config(name, copy_bw, a.more, a.quick, not a.unweighted)]
+    rows = [r for name in a.configs.split(",")
+            for r in sweep_config(name, copy_bw, a.more, a.quick, not a.unweighted)]
     best = {}
     for r in rows:
         key = f"{r['config']}-{r['kernel']}"

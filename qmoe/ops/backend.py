@@ -250,19 +250,6 @@ def _weights_arg(weights: torch.Tensor | None, like: torch.Tensor) -> tuple[torc
     return weights, weights.shape[1]
 
 
-def wgrad_tile(h: int) -> tuple[int, int, int]:
-    """``(KB, BLOCK_H, num_warps)`` of ``merge_weight_grad_kernel``: two routes' row tiles
-    a step; 2048-column tiles of 8 warps from H = 4096, else up to 1024 columns of 4 warps.
-    From ``benchmarks/sweep_gather.py --wgrad`` on the H200 (docs/benchmarks.md,
-    2026-12-04, session 7), kernel alone, % of copy, against one route a step in
-    1024-column tiles of 4 warps (the form before): dsv3 87.0 (59.4), qwen3 94.3 (91.2),
-    mixtral 80.6 (77.8), gptoss 78.8 (76.6). Four routes a step won at dsv3 and qwen3
-    (90.2, 98.7) but lost 10 points at mixtral (K = 2: half its rows masked)."""
-    if h >= 4096:
-        return 2, 2048, 8
-    return 2, min(1024, _block_h(h)), 4
-
-
 def merge_backward_tile(h: int, p: int) -> tuple[int, int, int]:
     """``(KB, BLOCK_H, num_warps)`` of ``merge_backward_kernel`` (both gradients of the
     weighted merge, ``p`` weight columns): up to 1024 columns and 4 warps a program; four
@@ -277,31 +264,13 @@ def merge_backward_tile(h: int, p: int) -> tuple[int, int, int]:
     return (4 if h >= 4096 and p >= 16 else 2), min(1024, _block_h(h)), 4
 
 
-def merge_weight_grad(
-    grad: torch.Tensor,
-    x: torch.Tensor,
-    rid: torch.Tensor,
-    p: int,
-    *,
-    use_triton: bool | None = None,
-) -> torch.Tensor:
-    """``[T, P]`` fp32: ``<grad[t], x[row]>`` for each kept route, zero elsewhere."""
-    t, h = grad.shape
-    use_triton = grad.is_cuda if use_triton is None else use_triton
-    gw = torch.zeros(t, p, dtype=torch.float32, device=grad.device)
-    if not use_triton:
-        tok, row, col = _routes(rid)
-        gw[tok, col] = (grad[tok].float() * x[row].float()).sum(1)
-        return gw
-    from qmoe.ops._kernels.permute import merge_weight_grad_kernel
-
-    if t == 0 or p == 0:
-        return gw
-    kb, bh, nw = wgrad_tile(h)
-    merge_weight_grad_kernel[(t,)](
-        grad.contiguous(), x.contiguous(), rid, gw, h, num_slots(rid), gw.stride(0),
-        KB=kb, BLOCK_H=bh, num_warps=nw,
-    )
+def merge_weight_grad(grad: torch.Tensor, x: torch.Tensor, rid: torch.Tensor,
+                      p: int) -> torch.Tensor:
+    """``[T, P]`` fp32: ``<grad[t], x[row]>`` for each kept route, zero elsewhere (torch;
+    on CUDA the op takes ``merge_backward_kernel``, which computes it with grad_inp)."""
+    gw = torch.zeros(grad.shape[0], p, dtype=torch.float32, device=grad.device)
+    tok, row, col = _routes(rid)
+    gw[tok, col] = (grad[tok].float() * x[row].float()).sum(1)
     return gw
 
 

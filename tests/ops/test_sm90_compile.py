@@ -113,10 +113,7 @@ def _launches():
     for w in (None, probs):
         B.unpermute_rows(y, rid, w, use_triton=True)
     B.unpermute_rows(y.repeat(1, 5)[:, :1100], rid, probs, use_triton=True)  # 512 columns
-    B.merge_weight_grad(x, y, rid, e, use_triton=True)
-    y4 = y.repeat(1, 4096 // h + 1)[:, :4096]  # the 2048-column, 8-warp weight gradient
-    B.merge_weight_grad(torch.zeros(x.shape[0], 4096, dtype=x.dtype), y4, rid, e,
-                        use_triton=True)
+    y4 = y.repeat(1, 4096 // h + 1)[:, :4096]  # four routes a step in the merge backward
     from qmoe.ops.unpermute import merge_backward_triton
 
     merge_backward_triton(x, y, rid, probs)  # both merge gradients in one pass

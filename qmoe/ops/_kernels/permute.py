@@ -372,41 +372,6 @@ def _merge_pairs(inp_ptr, mrow, wrow, n, S, P, H, N_IN, cols, hmask, acc, bad,
 
 
 @triton.jit
-def merge_weight_grad_kernel(
-    grad_ptr,  # (T, H) gradient of the merged output, contiguous
-    inp_ptr,  # (N, H) forward input of the merge, contiguous
-    map_ptr,  # (T, 2S+1) int32
-    gw_ptr,  # (T, P) fp32 output, zero-initialized, row stride stride_gw
-    H,
-    S,
-    stride_gw,
-    KB: tl.constexpr,  # routes whose rows are in flight together
-    BLOCK_H: tl.constexpr,
-):
-    """d weight[t, c] = <grad[t], inp[row]> in fp32, in a fixed order (deterministic):
-    per route, each lane adds its columns tile by tile, then one sum across the lanes. KB
-    routes a step, their row tiles loaded together (one route a step left the kernel bound
-    by the latency of each load: ``backend.wgrad_tile``)."""
-    t = tl.program_id(0).to(tl.int64)
-    mrow = map_ptr + t * (2 * S + 1)
-    n = tl.minimum(tl.load(mrow + 2 * S), S)
-    for s0 in range(0, n, KB):
-        sl = s0 + tl.arange(0, KB)
-        live = sl < n
-        d = tl.load(mrow + sl, mask=live, other=0).to(tl.int64)
-        c = tl.load(mrow + S + sl, mask=live, other=0)
-        acc = tl.zeros((KB, BLOCK_H), dtype=tl.float32)
-        for h0 in range(0, H, BLOCK_H):
-            cols = h0 + tl.arange(0, BLOCK_H)
-            hmask = cols < H
-            g = tl.load(grad_ptr + t * H + cols, mask=hmask, other=0.0).to(tl.float32)
-            x = tl.load(inp_ptr + d[:, None] * H + cols[None, :],
-                        mask=live[:, None] & hmask[None, :], other=0.0).to(tl.float32)
-            acc += g[None, :] * x
-        tl.store(gw_ptr + t * stride_gw + c, tl.sum(acc, axis=1), mask=live)
-
-
-@triton.jit
 def gather_rows_kernel(
     inp_ptr,  # (R_in, H) any dtype, row stride stride_in
     out_ptr,  # (R, H) same dtype, contiguous
