@@ -81,3 +81,24 @@ def write_json(path: str | None, payload: dict) -> None:
         with open(path, "w") as f:
             f.write(text + "\n")
     print(text)
+
+
+def int_list(s: str) -> list[int]:
+    """``"1,4,8"`` -> ``[1, 4, 8]`` (a sweep's command-line list)."""
+    return [int(v) for v in s.split(",") if v]
+
+
+def variant_recorder(rows: list, config: str, nbytes: int, copy_bw: float, width: int = 40):
+    """``record(variant, fn)``: time ``fn`` by CUDA-graph replay, append ``{config, variant,
+    graph_ms, pct_copy_bw}`` to ``rows`` (``nbytes`` moved a call) and print the line."""
+    import sys
+
+    def record(variant: str, fn) -> None:
+        ms = graph_median_ms(fn)
+        pct = 100 * nbytes / (ms * 1e-3) / 1e9 / copy_bw
+        rows.append({"config": config, "variant": variant, "graph_ms": round(ms, 4),
+                     "pct_copy_bw": round(pct, 1)})
+        print(f"{config:>9} {variant:>{width}}: {ms:8.4f} ms {pct:5.1f}% of copy",
+              file=sys.stderr)
+
+    return record

@@ -24,15 +24,17 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_permute import CONFIGS  # noqa: E402
-from common import copy_bandwidth_gbs, env_info, graph_median_ms, write_json  # noqa: E402
+from common import (  # noqa: E402
+    copy_bandwidth_gbs,
+    env_info,
+    int_list,
+    variant_recorder,
+    write_json,
+)
 
 import qmoe  # noqa: E402
 from qmoe.ops.backend import merge_weight_grad, permute_rows  # noqa: E402
 from qmoe.ops.unpermute import merge_backward_triton  # noqa: E402
-
-
-def _ints(s: str) -> list[int]:
-    return [int(v) for v in s.split(",") if v]
 
 
 def run_config(name, copy_bw, kbs, bhs, warps) -> list[dict]:
@@ -47,14 +49,7 @@ def run_config(name, copy_bw, kbs, bhs, warps) -> list[dict]:
     g = torch.randn(t, h, dtype=torch.bfloat16, device="cuda")
     nbytes = (t + 2 * n) * h * 2
     rows = []
-
-
-    def record(variant, fn):
-        ms = graph_median_ms(fn)
-        pct = 100 * nbytes / (ms * 1e-3) / 1e9 / copy_bw
-        rows.append({"config": name, "variant": variant, "graph_ms": round(ms, 4),
-                     "pct_copy_bw": round(pct, 1)})
-        print(f"{name:>9} {variant:>36}: {ms:8.4f} ms {pct:5.1f}% of copy", file=sys.stderr)
+    record = variant_recorder(rows, name, nbytes, copy_bw, 36)
 
     ref_gi, ref_gw = permute_rows(g, rid, n, probs), merge_weight_grad(g, y, rid, e)
     for kb in kbs:
@@ -82,7 +77,7 @@ def main() -> None:
     copy_bw = copy_bandwidth_gbs()
     rows = []
     for name in a.configs.split(","):
-        rows += run_config(name, copy_bw, _ints(a.kb), _ints(a.block_h), _ints(a.warps))
+        rows += run_config(name, copy_bw, int_list(a.kb), int_list(a.block_h), int_list(a.warps))
     write_json(a.out, {"bench": "sweep_merge_backward", "env": env_info(),
                        "copy_bw_gbs": round(copy_bw, 1), "args": vars(a), "results": rows})
 

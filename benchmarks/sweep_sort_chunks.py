@@ -22,14 +22,16 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_permute import CONFIGS  # noqa: E402
-from common import copy_bandwidth_gbs, env_info, graph_median_ms, write_json  # noqa: E402
+from common import (  # noqa: E402
+    copy_bandwidth_gbs,
+    env_info,
+    int_list,
+    variant_recorder,
+    write_json,
+)
 
 from qmoe.ops.backend import gather_rows  # noqa: E402
 from qmoe.ops.sort_chunks import chunk_source_rows, sort_chunks_triton  # noqa: E402
-
-
-def _ints(s: str) -> list[int]:
-    return [int(v) for v in s.split(",") if v]
 
 
 def run_config(name, copy_bw, block_hs, steps_list, warps, random_sizes) -> list[dict]:
@@ -45,13 +47,7 @@ def run_config(name, copy_bw, block_hs, steps_list, warps, random_sizes) -> list
     nbytes = 2 * n * h * 2
     ref = gather_rows(y, chunk_source_rows(sizes, order, n))
     rows = []
-
-    def record(variant, fn):
-        ms = graph_median_ms(fn)
-        pct = 100 * nbytes / (ms * 1e-3) / 1e9 / copy_bw
-        rows.append({"config": name, "variant": variant, "graph_ms": round(ms, 4),
-                     "pct_copy_bw": round(pct, 1)})
-        print(f"{name:>9} {variant:>40}: {ms:8.4f} ms {pct:5.1f}% of copy", file=sys.stderr)
+    record = variant_recorder(rows, name, nbytes, copy_bw, 40)
 
     record("op path (source rows + gather)",
            lambda: gather_rows(y, chunk_source_rows(sizes, order, n)))
@@ -87,7 +83,7 @@ def main() -> None:
     copy_bw = copy_bandwidth_gbs()
     rows = []
     for name in a.configs.split(","):
-        rows += run_config(name, copy_bw, _ints(a.block_h), _ints(a.steps), _ints(a.warps),
+        rows += run_config(name, copy_bw, int_list(a.block_h), int_list(a.steps), int_list(a.warps),
                            a.random_sizes)
     write_json(a.out, {"bench": "sweep_sort_chunks", "env": env_info(),
                        "copy_bw_gbs": round(copy_bw, 1), "args": vars(a), "results": rows})

@@ -192,31 +192,22 @@ def _(grad_out, split_sizes, sorted_index, grad_probs):
     return torch.empty_like(grad_out), gp
 
 
-def _backward(ctx, grad_out, grad_probs):
-    split_sizes, sorted_index = ctx.saved_tensors
-    gp_in = grad_probs if ctx.has_probs else None
-    gi, gp = torch.ops.qmoe.sort_chunks_backward(grad_out, split_sizes, sorted_index, gp_in)
-    return gi, None, None, gp if gp_in is not None else None
+def _moved_back(op: str):
+    """The autograd rule of a movement whose gradient is the movement ``qmoe::<op>``: the
+    sort's is its inverse (``sort_chunks_backward``), the inverse's is the sort. Both take
+    ``(rows, split_sizes, sorted_index, probs or None)`` and give ``(rows, probs)``."""
+
+    def backward(ctx, grad_rows, grad_probs):
+        split_sizes, sorted_index = ctx.saved_tensors
+        gp_in = grad_probs if ctx.has_probs else None
+        gi, gp = getattr(torch.ops.qmoe, op)(grad_rows, split_sizes, sorted_index, gp_in)
+        return gi, None, None, gp if gp_in is not None else None
+
+    return backward
 
 
-def _setup_backward(ctx, inputs, output):
-    _, split_sizes, sorted_index, grad_probs = inputs
-    ctx.save_for_backward(split_sizes, sorted_index)
-    ctx.has_probs = grad_probs is not None
-
-
-def _double_backward(ctx, gg_inp, gg_probs):
-    """The inverse of the inverse movement: the forward sort."""
-    split_sizes, sorted_index = ctx.saved_tensors
-    gp_in = gg_probs if ctx.has_probs else None
-    g, gp = torch.ops.qmoe.sort_chunks(gg_inp, split_sizes, sorted_index, gp_in)
-    return g, None, None, gp if gp_in is not None else None
-
-
-_sort_chunks_backward.register_autograd(_double_backward, setup_context=_setup_backward)
-
-
-_sort_chunks.register_autograd(_backward, setup_context=_setup)
+_sort_chunks.register_autograd(_moved_back("sort_chunks_backward"), setup_context=_setup)
+_sort_chunks_backward.register_autograd(_moved_back("sort_chunks"), setup_context=_setup)
 
 
 def _check(fn, inp, split_sizes, sorted_index, probs):
