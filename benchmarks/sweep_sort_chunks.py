@@ -3,12 +3,13 @@ program x warps, forward and inverse (the backward), next to the op's gather pat
 (``chunk_source_rows`` + ``gather_rows``). CUDA-graph medians, % of copy bandwidth.
 
     python benchmarks/sweep_sort_chunks.py [--out F] [--configs dsv3,qwen3]
-        [--block-h 1024,4096,8192] [--steps 1,4] [--warps 4,8] [--random-sizes]
+        [--block-h 1024,4096,8192] [--steps 1,4] [--warps 4,8] [--random-sizes] [--scales]
 
-Chunks: E of them (an EP rank's received chunks, one per expert), N = T*K rows; sizes
-N/E each, or with ``--random-sizes`` a random split of N (zero-size chunks included).
-Bytes: N rows read and N rows written. Every variant's output is checked bit-exact
-against the gather path's before it is timed.
+``--scales`` times only the sort of FP8 scale rows (``run_scales``). Chunks: E of them
+(an EP rank's received chunks, one per expert), N = T*K rows; sizes N/E each, or with
+``--random-sizes`` a random split of N (zero-size chunks included). Bytes: N rows read
+and N rows written. Every variant's output is checked bit-exact against the gather path's
+before it is timed.
 """
 
 from __future__ import annotations
@@ -71,6 +72,35 @@ def run_config(name, copy_bw, block_hs, steps_list, warps, random_sizes) -> list
     return rows
 
 
+def run_scales(name, copy_bw) -> list[dict]:
+    """The sort of FP8 scale rows (blockwise fp32 1x128, MX e8m0 1x32: 16-224 bytes a row),
+    the slow case of session 8: the gather path, the kernel as it was measured (byte lanes,
+    uncut tiles), and with the int32 words and the cut tiles each alone and together."""
+    import qmoe
+
+    t, h, e, k = CONFIGS[name]
+    n = t * k
+    y = torch.randn(n, h, dtype=torch.bfloat16, device="cuda")
+    sizes = torch.full((e,), n // e, device="cuda")
+    order = torch.randperm(e, device="cuda")
+    rows = []
+    for rname, recipe in (("blockwise", qmoe.Blockwise()), ("mx", qmoe.MXFP8())):
+        sc = qmoe.quantize(y, recipe).raw_scale
+        nbytes = 2 * sc.numel() * sc.element_size()
+        record = variant_recorder(rows, name, nbytes, copy_bw, 40)
+        ref = gather_rows(sc, chunk_source_rows(sizes, order, n))
+        record(f"{rname} scales: gather path", lambda sc=sc: gather_rows(
+            sc, chunk_source_rows(sizes, order, n)))
+        out = torch.empty_like(sc)
+        for words, max_scan in ((False, 1 << 30), (True, 1 << 30), (False, None), (True, None)):
+            kw = dict(words=words, max_scan=max_scan, out=out)
+            assert torch.equal(sort_chunks_triton(sc, sizes, order, **kw)[0], ref)
+            label = ("words" if words else "bytes") + (", cut" if max_scan is None else "")
+            record(f"{rname} scales: kernel, {label}",
+                   lambda sc=sc, kw=kw: sort_chunks_triton(sc, sizes, order, **kw))
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
@@ -79,10 +109,15 @@ def main() -> None:
     ap.add_argument("--steps", default="1,4")
     ap.add_argument("--warps", default="8")
     ap.add_argument("--random-sizes", action="store_true")
+    ap.add_argument("--scales", action="store_true",
+                    help="only the FP8 scale rows' sort: gather path vs kernel variants")
     a = ap.parse_args()
     copy_bw = copy_bandwidth_gbs()
     rows = []
     for name in a.configs.split(","):
+        if a.scales:
+            rows += run_scales(name, copy_bw)
+            continue
         rows += run_config(name, copy_bw, int_list(a.block_h), int_list(a.steps), int_list(a.warps),
                            a.random_sizes)
     write_json(a.out, {"bench": "sweep_sort_chunks", "env": env_info(),

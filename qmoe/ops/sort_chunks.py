@@ -35,6 +35,8 @@ def sort_chunks_triton(
     steps: int = 1,
     block_h: int | None = None,
     num_warps: int = 4,
+    max_scan: int | None = None,
+    words: bool = True,
     out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [T, H], probs moved alike [T] or empty)``: the chunk sort of ``inp [T, H]``
@@ -49,7 +51,10 @@ def sort_chunks_triton(
     (``steps``) and 4 warps (``num_warps``) a program; from
     ``benchmarks/sweep_sort_chunks.py`` on the H200 (docs/benchmarks.md, session 8): within
     3 points of the best of 16 tilings at dsv3, qwen3, qwen3next, mixtral and gptoss, where
-    8 warps lost up to 45 points. ``out`` (tests: poisoned) receives the rows."""
+    8 warps lost up to 45 points. Short rows: ``words`` moves byte rows under
+    ``SHORT_ROW_BYTES`` as int32 words, ``max_scan`` (default ``MAX_SCAN_ELEMENTS``) cuts
+    the tiles (both overridable for the sweep). ``out`` (tests: poisoned) receives the
+    rows."""
     from qmoe.ops._kernels.sort_chunks import sort_chunks_kernel
 
     t, h = inp.shape
@@ -64,7 +69,7 @@ def sort_chunks_triton(
     if probs is not None:
         probs = probs.contiguous()  # the kernel reads probs[src] at unit stride
     src, dst = inp, out
-    if inp.element_size() == 1 and h < SHORT_ROW_BYTES and _int32_view_ok(inp, out):
+    if words and inp.element_size() == 1 and h < SHORT_ROW_BYTES and _int32_view_ok(inp, out):
         src, dst = inp.view(torch.int32), out.view(torch.int32)  # short byte rows: 4 a lane
     hw, elem = src.shape[1], src.element_size()
     if block_h is None:  # ~16 KiB a tile, as gather_rows
@@ -72,8 +77,9 @@ def sort_chunks_triton(
     bh = block_h
     br = max(1, 16384 // (bh * elem))
     block_c = next_pow2(c)
-    if br * block_c > MAX_SCAN_ELEMENTS:  # short rows, many chunks: bound the per-row scan
-        cap = max(1, MAX_SCAN_ELEMENTS // block_c)
+    max_scan = max_scan or MAX_SCAN_ELEMENTS
+    if br * block_c > max_scan:  # short rows, many chunks: bound the per-row scan
+        cap = max(1, max_scan // block_c)
         # the cut tiles in up to 8 steps a program (one chunk table for all), as long as
         # that leaves about 2048 programs or more
         steps *= max(1, min(8, br // cap, cdiv(t, cap) // 2048))
