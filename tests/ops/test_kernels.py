@@ -132,6 +132,25 @@ def test_merge_backward_one_pass(kdevice, t, h, e, k, kind, extra, map_type):
         assert (gw[off] == 0).all()
 
 
+def test_merge_backward_empty(kdevice):
+    """No tokens: grad_inp is all zeros (N rows no token reads), the weights' gradient
+    [0, P]; no rows: grad_inp [0, H], the weights' gradient zero."""
+    from qmoe.ops.unpermute import merge_backward_triton
+
+    rid = torch.zeros(0, 9, dtype=torch.int32, device=kdevice)
+    gi, gw = merge_backward_triton(torch.zeros(0, 8, device=kdevice),
+                                   torch.randn(5, 8, device=kdevice), rid,
+                                   torch.zeros(0, 4, device=kdevice),
+                                   out=_poison((5, 8), torch.float32, kdevice))
+    assert torch.equal(gi, torch.zeros(5, 8, device=kdevice)) and gw.shape == (0, 4)
+    _, mask = routing(6, 4, 2, "random", kdevice)
+    rid, _ = make_row_id_map(mask, 0, False, 1)  # every route dropped
+    gi, gw = merge_backward_triton(torch.randn(6, 8, device=kdevice),
+                                   torch.zeros(0, 8, device=kdevice), rid,
+                                   torch.rand(6, 4, device=kdevice))
+    assert gi.shape == (0, 8) and torch.equal(gw, torch.zeros(6, 4, device=kdevice))
+
+
 def test_padded_map_kernels_zero_padding(kdevice):
     t, h, e = 50, 40, 8
     ids, mask = routing(t, e, 2, "empty_experts", kdevice)
