@@ -29,6 +29,7 @@ def sort_chunks_triton(
     split_sizes: torch.Tensor,
     sorted_index: torch.Tensor,
     probs: torch.Tensor | None = None,
+    side: torch.Tensor | None = None,
     *,
     inverse: bool = False,
     check: bool = True,
@@ -38,6 +39,7 @@ def sort_chunks_triton(
     max_scan: int | None = None,
     words: bool = True,
     out: torch.Tensor | None = None,
+    side_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [T, H], probs moved alike [T] or empty)``: the chunk sort of ``inp [T, H]``
     in one launch (CUDA, or CPU under TRITON_INTERPRET=1): the op's CUDA path up to
@@ -54,15 +56,21 @@ def sort_chunks_triton(
     8 warps lost up to 45 points. Short rows: ``words`` moves byte rows under
     ``SHORT_ROW_BYTES`` as int32 words, ``max_scan`` (default ``MAX_SCAN_ELEMENTS``) cuts
     the tiles (both overridable for the sweep). ``out`` (tests: poisoned) receives the
-    rows."""
+    rows. ``side`` ``[T, NS]`` (the block scales of quantized rows) moves alike into
+    ``side_out`` (given by the caller) in the same launch: not yet the op's path for
+    quantized rows (``benchmarks/bench_permute.py`` times it against two launches)."""
     from qmoe.ops._kernels.sort_chunks import sort_chunks_kernel
 
     t, h = inp.shape
     c = split_sizes.numel()
+    if (side is None) != (side_out is None):
+        raise ValueError("sort_chunks_triton: pass side and side_out together")
     out = inp.new_empty((t, h)) if out is None else out
     pp = probs.new_empty((t,)) if probs is not None else inp.new_empty(0)
     if c == 0:  # no chunks: every row stays
         out.copy_(inp)
+        if side is not None:
+            side_out.copy_(side)
         return out, pp.copy_(probs) if probs is not None else pp
     if inp.stride(1) != 1:
         inp = inp.contiguous()
@@ -84,10 +92,16 @@ def sort_chunks_triton(
         # that leaves about 2048 programs or more
         steps *= max(1, min(8, br // cap, cdiv(t, cap) // 2048))
         br = cap
+    has_s = side is not None
+    if has_s and side.stride(1) != 1:
+        side = side.contiguous()
+    ns = side.shape[1] if has_s else 0
     sort_chunks_kernel[(max(1, cdiv(t, br * steps)), cdiv(max(hw, 1), bh))](
-        src, dst, split_sizes, sorted_index, probs, pp if probs is not None else None, t, hw,
-        c, src.stride(0), INVERSE=inverse, CHECK=check, HAS_P=probs is not None,
-        BLOCK_C=block_c, BLOCK_R=br, BLOCK_H=bh, STEPS=steps, num_warps=num_warps,
+        src, dst, split_sizes, sorted_index, probs, pp if probs is not None else None, side,
+        side_out if has_s else None, t, hw, c, ns, src.stride(0),
+        side.stride(0) if has_s else None, INVERSE=inverse, CHECK=check,
+        HAS_P=probs is not None, HAS_SIDE=has_s, BLOCK_C=block_c, BLOCK_R=br, BLOCK_H=bh,
+        BLOCK_S=next_pow2(max(ns, 1)), STEPS=steps, num_warps=num_warps,
         **assert_options(),  # check_chunks, check_probs
     )
     return out, pp

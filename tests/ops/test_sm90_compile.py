@@ -127,6 +127,9 @@ def _launches():
     # short byte rows (FP8 scales) as int32 words, tiles cut for 300 chunks
     cs = torch.full((300,), 2)
     sort_chunks_triton(torch.zeros(600, 64, dtype=torch.uint8), cs, torch.randperm(300))
+    sc = torch.rand(n, 3)  # block-scale side rows with the bits, one launch
+    sort_chunks_triton(y.view(torch.uint8), sizes, order, torch.rand(n), sc,
+                       side_out=torch.empty_like(sc))
     for recipe in (qmoe.PerTensor(), qmoe.Blockwise(), qmoe.MXFP8(),
                    qmoe.MXFP8(fp8_dtype=torch.float8_e5m2)):
         q = qmoe.quantize(y.float(), recipe)

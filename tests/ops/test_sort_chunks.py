@@ -101,6 +101,35 @@ def test_kernel_short_rows_many_chunks(kdevice, h, dtype, steps):
     assert_same_bits(back, x)
 
 
+@pytest.mark.parametrize("h,ns,side_dtype", [(300, 3, torch.float32), (64, 2, torch.uint8)])
+def test_kernel_moves_side_rows(kdevice, h, ns, side_dtype):
+    """FP8 bits with their block-scale rows (fp32, or e8m0 bytes) as side rows in one
+    launch, forward and inverse, into poisoned outputs; the probs ride along."""
+    from qmoe.ops.sort_chunks import sort_chunks_triton
+
+    t, c = 150, 7
+    bits = torch.randint(0, 256, (t, h), dtype=torch.uint8, device=kdevice)
+    side = torch.randint(0, 256, (t, ns), dtype=torch.uint8).to(side_dtype).to(kdevice)
+    probs = torch.rand(t, device=kdevice)
+    cuts = torch.sort(torch.randint(0, t - 9, (c - 1,))).values
+    sizes = torch.diff(torch.cat([torch.tensor([0]), cuts, torch.tensor([t - 9])]))
+    order = torch.randperm(c)
+    so = torch.full_like(side, 0xFF if side_dtype == torch.uint8 else float("nan"))
+    out, pp = sort_chunks_triton(bits, sizes.to(kdevice), order.to(kdevice), probs, side,
+                                 out=torch.full_like(bits, 0xFF), side_out=so)
+    ref = R.sort_chunks(bits.cpu(), sizes.tolist(), order.tolist(), probs.cpu())
+    assert_same_bits(out.cpu(), ref[0])
+    assert_same_bits(pp.cpu(), ref[1])
+    assert_same_bits(so.cpu(), R.sort_chunks(side.cpu(), sizes.tolist(), order.tolist())[0])
+    so_back = torch.empty_like(side)
+    back, _ = sort_chunks_triton(out, sizes.to(kdevice), order.to(kdevice), None, so,
+                                 inverse=True, check=False, side_out=so_back)
+    assert_same_bits(back, bits)
+    assert_same_bits(so_back, side)
+    with pytest.raises(ValueError, match="side and side_out together"):
+        sort_chunks_triton(bits, sizes.to(kdevice), order.to(kdevice), None, side)
+
+
 _BAD = {  # (sizes, order, NaN prob): T = 12 rows
     "negative size": ([5, -1, 8], [2, 0, 1], False, "split_sizes must be >= 0"),
     "sizes past T": ([5, 3, 8], [2, 0, 1], False, "sum to at most T"),

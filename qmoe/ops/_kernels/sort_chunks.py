@@ -85,20 +85,26 @@ def sort_chunks_kernel(
     index_ptr,  # (C,) int sorted_index (chunk index[j] is emitted j-th)
     p_ptr,  # (T,) float probs, moved alike (read only if HAS_P)
     pp_ptr,  # (T,) probs dtype out (written only if HAS_P)
+    side_ptr,  # (T, NS) side rows moved alike, e.g. block scales (read only if HAS_SIDE)
+    side_out_ptr,  # (T, NS) side rows out, contiguous (written only if HAS_SIDE)
     T,
     H,
     C,
+    NS,
     stride_in,
+    stride_side,
     INVERSE: tl.constexpr,  # the inverse movement (the backward)
     CHECK: tl.constexpr,  # program 0 checks the sizes and the order; probs: no NaN
     HAS_P: tl.constexpr,
+    HAS_SIDE: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # >= NS when HAS_SIDE
     STEPS: tl.constexpr,  # row tiles a program, one after the other
 ):
     """Grid ``(max(1, cdiv(T, BLOCK_R * STEPS)), cdiv(H, BLOCK_H))``: out[r] = inp[src(r)]
-    (``chunk_sources``), probs alike."""
+    (``chunk_sources``), probs and side rows alike (by the first column program)."""
     if CHECK:  # noqa: SIM102 - a constexpr branch (pruned at compile) around a runtime one
         if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
             check_chunks(sizes_ptr, index_ptr, T, C, BLOCK_C)
@@ -130,3 +136,10 @@ def sort_chunks_kernel(
                 if CHECK:  # (not in the backward: NaN gradients pass through)
                     check_probs(pv)
                 tl.store(pp_ptr + rows, pv, mask=rmask)
+        if HAS_SIDE:  # noqa: SIM102 - as above
+            if tl.program_id(1) == 0:
+                sc = tl.arange(0, BLOCK_S)
+                sm = rmask[:, None] & (sc < NS)[None, :]
+                sv = tl.load(side_ptr + src[:, None] * stride_side + sc[None, :], mask=sm)
+                tl.store(side_out_ptr + rows.to(tl.int64)[:, None] * NS + sc[None, :], sv,
+                         mask=sm)
