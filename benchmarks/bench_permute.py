@@ -138,12 +138,13 @@ def run_config(name: str, copy_bw: float, dev: str = "cuda", ops: str = "",
         cases[f"fp8 {rname}: sort_chunks"] = (
             lambda qy=qy: qmoe.moe_sort_chunks_by_index(qy, sizes, chunk_order),
             2 * n * per_row)
-        if dev == "cuda" and q.raw_scale.dim():  # the bits with their scale rows as side
-            # rows of one launch (not yet the op's path: it runs two sorts)
-            cases[f"fp8 {rname}: sort_chunks, one launch"] = (
-                lambda qy=qy: sort_chunks_triton(
-                    qy.qdata.view(torch.uint8), sizes, chunk_order, None, qy.raw_scale,
-                    side_out=torch.empty_like(qy.raw_scale)),
+        if q.raw_scale.dim():  # the op moves the scale rows as side rows of the bits (one
+            # launch on CUDA); until session 8 it sorted them apart: two launches
+            cases[f"fp8 {rname}: sort_chunks, two launches"] = (
+                lambda qy=qy: (
+                    torch.ops.qmoe.sort_chunks(qy.qdata.view(torch.uint8), sizes, chunk_order,
+                                               None),
+                    torch.ops.qmoe.sort_chunks(qy.raw_scale, sizes, chunk_order, None)),
                 2 * n * per_row)
         cases[f"fp8 {rname}: unpermute(merging_probs)"] = (
             lambda qy=qy: qmoe.moe_unpermute(qy, rid, probs), n * per_row + t * row_bytes)

@@ -22,6 +22,7 @@ import torch
 
 from qmoe._library import define
 from qmoe.ops import permute_mask as _permute_mask  # noqa: F401  (defines qmoe::permute_mask)
+from qmoe.ops import sort_chunks as _sort_chunks  # noqa: F401  (defines qmoe::sort_chunks_rows)
 from qmoe.ops.backend import (
     FP8_BLOCK_E8M0,
     FP8_BLOCK_FP32,
@@ -108,8 +109,14 @@ def _permute_mask_q(func, args, kwargs):
 
 @register_passthrough(ops.sort_chunks.default)
 def _sort_chunks_q(func, args, kwargs):
+    """The chunk sort of quantized rows: block-scale rows move as side rows of the bits
+    (``qmoe::sort_chunks_rows``: one launch on CUDA); a per-tensor scale carries over."""
     q, sizes, index, probs = args
-    return _move_rows(q, lambda t, with_probs: func(t, sizes, index, probs if with_probs else None))
+    if q.block_size is None:
+        bits, pp = func(_bits(q), sizes, index, probs)
+        return q._rewrap(bits.view(q.fp8_dtype), q.raw_scale), pp
+    bits, scale, pp = ops.sort_chunks_rows(_bits(q), q.raw_scale, sizes, index, probs)
+    return q._rewrap(bits.view(q.fp8_dtype), scale), pp
 
 
 @define(

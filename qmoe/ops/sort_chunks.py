@@ -230,6 +230,36 @@ _sort_chunks.register_autograd(_moved_back("sort_chunks_backward"), setup_contex
 _sort_chunks_backward.register_autograd(_moved_back("sort_chunks"), setup_context=_setup)
 
 
+@define(
+    "sort_chunks_rows(Tensor inp, Tensor side, Tensor split_sizes, Tensor sorted_index, "
+    "Tensor? probs) -> (Tensor, Tensor, Tensor)"
+)
+def _sort_chunks_rows(
+    inp: torch.Tensor,
+    side: torch.Tensor,
+    split_sizes: torch.Tensor,
+    sorted_index: torch.Tensor,
+    probs: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(out [T, H], side_out [T, NS], permuted probs [T] or empty)``: the chunk sort of
+    rows with side rows (the block scales of quantized rows) moved alike. On CUDA one
+    launch (the scale rows ride in the bits' programs); elsewhere two sorts. Called by the
+    quantized types' passthrough rule of ``qmoe::sort_chunks``, below autograd."""
+    if one_launch(inp, split_sizes):
+        so = side.new_empty(side.shape)
+        out, pp = sort_chunks_triton(inp, split_sizes, sorted_index, probs, side,
+                                     side_out=so)
+        return out, so, pp
+    out, pp = torch.ops.qmoe.sort_chunks(inp, split_sizes, sorted_index, probs)
+    return out, torch.ops.qmoe.sort_chunks(side, split_sizes, sorted_index, None)[0], pp
+
+
+@_sort_chunks_rows.register_fake
+def _(inp, side, split_sizes, sorted_index, probs):
+    pp = torch.empty_like(probs) if probs is not None else inp.new_empty(0)
+    return torch.empty_like(inp), torch.empty_like(side), pp
+
+
 def _check(fn, inp, split_sizes, sorted_index, probs):
     C.check_input(fn, inp)
     C.check_tensor(fn, "split_sizes", split_sizes, ndim=1, dtypes=C._INTS[:4])

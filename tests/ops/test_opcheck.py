@@ -67,6 +67,12 @@ def _cases():
                (torch.randn(t, h, device=DEV, requires_grad=True), sizes, order, g1))
         yield (f"sort_chunks_bwd_noprobs-{t}", ops.sort_chunks_backward.default,
                (torch.randn(t, h, device=DEV), sizes, order, None))
+        # Called below autograd by the quantized types' rule: inputs without requires_grad.
+        bits = torch.randint(0, 256, (t, h), dtype=torch.uint8, device=DEV)
+        for side in (torch.rand(t, 3, device=DEV), bits[:, :2].clone()):
+            for pr in (None, p1.detach()):
+                yield (f"sort_chunks_rows-{side.dtype}-{pr is None}-{t}",
+                       ops.sort_chunks_rows.default, (bits, side, sizes, order, pr))
 
 
 CASES = list(_cases())
