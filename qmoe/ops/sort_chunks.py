@@ -57,8 +57,7 @@ def sort_chunks_triton(
     ``SHORT_ROW_BYTES`` as int32 words, ``max_scan`` (default ``MAX_SCAN_ELEMENTS``) cuts
     the tiles (both overridable for the sweep). ``out`` (tests: poisoned) receives the
     rows. ``side`` ``[T, NS]`` (the block scales of quantized rows) moves alike into
-    ``side_out`` (given by the caller) in the same launch: not yet the op's path for
-    quantized rows (``benchmarks/bench_permute.py`` times it against two launches)."""
+    ``side_out`` (given by the caller) in the same launch (``qmoe::sort_chunks_rows``)."""
     from qmoe.ops._kernels.sort_chunks import sort_chunks_kernel
 
     t, h = inp.shape
