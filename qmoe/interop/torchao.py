@@ -120,8 +120,16 @@ def _permute_rule(cls, func, types, args, kwargs):
 
 
 def _sort_chunks_rule(cls, func, types, args, kwargs):
+    """The chunk sort: scale rows, where there is one per data row, move as side rows of
+    the data bytes (``qmoe::sort_chunks_rows``: one launch on CUDA)."""
     x, sizes, index, probs = args
-    return _move(x, lambda r, with_probs: func(r, sizes, index, probs if with_probs else None))
+    data, scale, rows = _parts(x)
+    if not rows:
+        return _move(x, lambda r, with_probs: func(r, sizes, index,
+                                                     probs if with_probs else None))
+    s = scale.view(torch.uint8) if scale.dtype == torch.float8_e8m0fnu else scale
+    out, s, pp = torch.ops.qmoe.sort_chunks_rows(data.view(torch.uint8), s, sizes, index, probs)
+    return _rebuild(x, out.view(data.dtype), s.view(scale.dtype)), pp
 
 
 def _unpermute_rule(cls, func, types, args, kwargs):
