@@ -100,17 +100,25 @@ def _rebuild(t: torch.Tensor, data: torch.Tensor, scale: torch.Tensor) -> torch.
                                 t._gemm_input_role, t._axiswise_dim)
 
 
+def _scale_rows(scale: torch.Tensor) -> torch.Tensor:
+    """Per-row scales as the kernels move them (e8m0 as its bytes)."""
+    return scale.view(torch.uint8) if scale.dtype == torch.float8_e8m0fnu else scale
+
+
+def _moved_scale(t: torch.Tensor, s: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Moved scale rows ``s`` back in ``scale``'s dtype, for ``t``'s class."""
+    if isinstance(t, Float8TrainingTensor):  # unfilled rows: 0 / 1 = 0, not 0 / 0
+        s = torch.where(s == 0, torch.ones_like(s), s)
+    return s.view(scale.dtype)
+
+
 def _move(t: torch.Tensor, run):
     """``run(rows, with_probs) -> (moved, permuted probs)`` on the data bytes and (when it
     has one per row) on the scale rows; rebuild ``t``'s class."""
     data, scale, rows = _parts(t)
     out, pp = run(data.view(torch.uint8), True)
     if rows:
-        s = scale.view(torch.uint8) if scale.dtype == torch.float8_e8m0fnu else scale
-        s = run(s, False)[0]
-        if isinstance(t, Float8TrainingTensor):  # unfilled rows: 0 / 1 = 0, not 0 / 0
-            s = torch.where(s == 0, torch.ones_like(s), s)
-        scale = s.view(scale.dtype)
+        scale = _moved_scale(t, run(_scale_rows(scale), False)[0], scale)
     return _rebuild(t, out.view(data.dtype), scale), pp
 
 
@@ -127,9 +135,9 @@ def _sort_chunks_rule(cls, func, types, args, kwargs):
     if not rows:
         return _move(x, lambda r, with_probs: func(r, sizes, index,
                                                      probs if with_probs else None))
-    s = scale.view(torch.uint8) if scale.dtype == torch.float8_e8m0fnu else scale
-    out, s, pp = torch.ops.qmoe.sort_chunks_rows(data.view(torch.uint8), s, sizes, index, probs)
-    return _rebuild(x, out.view(data.dtype), s.view(scale.dtype)), pp
+    out, s, pp = torch.ops.qmoe.sort_chunks_rows(data.view(torch.uint8), _scale_rows(scale),
+                                                 sizes, index, probs)
+    return _rebuild(x, out.view(data.dtype), _moved_scale(x, s, scale)), pp
 
 
 def _unpermute_rule(cls, func, types, args, kwargs):

@@ -113,8 +113,8 @@ def _sort_chunks_q(func, args, kwargs):
     (``qmoe::sort_chunks_rows``: one launch on CUDA); a per-tensor scale carries over."""
     q, sizes, index, probs = args
     if q.block_size is None:
-        bits, pp = func(_bits(q), sizes, index, probs)
-        return q._rewrap(bits.view(q.fp8_dtype), q.raw_scale), pp
+        return _move_rows(q, lambda t, with_probs: func(t, sizes, index,
+                                                        probs if with_probs else None))
     bits, scale, pp = ops.sort_chunks_rows(_bits(q), q.raw_scale, sizes, index, probs)
     return q._rewrap(bits.view(q.fp8_dtype), scale), pp
 

@@ -86,9 +86,8 @@ def quantize_permute_triton(x, rid, probs, n, block_size, fp8_dtype, scale_mode,
     ``tile`` (row elements per program), ``kb`` and ``num_warps`` set the kernel's tiling
     (``benchmarks/sweep_permute.py`` sweeps them). ``poison`` (tests) fills the outputs
     with 0xFF bytes first, so a row the kernel misses shows."""
-    from qmoe.ops._kernels.permute import zero_rows_kernel
     from qmoe.ops._kernels.quantize_permute import quantize_permute_kernel
-    from qmoe.ops.backend import scatter_programs
+    from qmoe.ops.backend import scatter_programs, zero_unwritten_rows
 
     t, h = x.shape
     if h == 0:
@@ -111,11 +110,7 @@ def quantize_permute_triton(x, rid, probs, n, block_size, fp8_dtype, scale_mode,
             num_warps=num_warps, **assert_options(), **consts,  # check_probs
         )
     if not has_f:
-        zero_rows_kernel[(cdiv(n, 64),)](
-            q, written, pp if has_p else written, written if given else s_out, n, h,
-            0 if given else nb, HAS_P=has_p, HAS_SIDE=not given, BLOCK_R=64, BLOCK_H=64,
-            BLOCK_S=next_pow2(nb), num_warps=4,
-        )
+        zero_unwritten_rows(q, written, pp if has_p else None, None if given else s_out)
     return q.view(fp8_dtype), s_out, pp
 
 

@@ -12,13 +12,19 @@ from tests.tensors.helpers import assert_same_bits
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def _random_chunks(rows: int, c: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(split_sizes, sorted_index)`` on CPU: the first ``rows`` rows cut at c - 1 random
+    points (zero-size chunks possible), and a random order of the c chunks."""
+    cuts = torch.sort(torch.randint(0, rows + 1, (c - 1,))).values
+    sizes = torch.diff(torch.cat([torch.tensor([0]), cuts, torch.tensor([rows])]))
+    return sizes, torch.randperm(c)
+
+
 @pytest.mark.parametrize("t,h,c", [(1, 1, 1), (63, 17, 5), (1025, 64, 16), (100, 7168, 3)])
 @pytest.mark.parametrize("tail", [0, 9])
 def test_sort_chunks_matches_reference(t, h, c, tail):
     x = torch.randn(t + tail, h, dtype=torch.bfloat16, device=DEV)
-    cuts = torch.sort(torch.randint(0, t + 1, (c - 1,))).values
-    sizes = torch.diff(torch.cat([torch.tensor([0]), cuts, torch.tensor([t])]))
-    order = torch.randperm(c)
+    sizes, order = _random_chunks(t, c)
     probs = torch.rand(t + tail, device=DEV)
     out, pp = qmoe.moe_sort_chunks_by_index_with_probs(x, probs, sizes.to(DEV), order.to(DEV))
     ref, rpp = R.sort_chunks(x.cpu(), sizes.tolist(), order.tolist(), probs.cpu())
@@ -61,9 +67,7 @@ def test_kernel_matches_reference(kdevice, t, h, c, tail, steps):
     from qmoe.ops.sort_chunks import sort_chunks_triton
 
     x = torch.randn(t + tail, h, device=kdevice)
-    cuts = torch.sort(torch.randint(0, t + 1, (c - 1,))).values
-    sizes = torch.diff(torch.cat([torch.tensor([0]), cuts, torch.tensor([t])]))
-    order = torch.randperm(c)
+    sizes, order = _random_chunks(t, c)
     probs = torch.rand(t + tail, device=kdevice)
     poison = torch.full_like(x, float("nan"))
     out, pp = sort_chunks_triton(x, sizes.to(kdevice), order.to(kdevice), probs, steps=steps,
@@ -89,9 +93,7 @@ def test_kernel_short_rows_many_chunks(kdevice, h, dtype, steps):
     t, c = 800, 300
     x = (torch.randint(0, 256, (t + 5, h)) if dtype == torch.uint8
          else torch.randn(t + 5, h)).to(dtype).to(kdevice)
-    cuts = torch.sort(torch.randint(0, t + 1, (c - 1,))).values
-    sizes = torch.diff(torch.cat([torch.tensor([0]), cuts, torch.tensor([t])]))
-    order = torch.randperm(c)
+    sizes, order = _random_chunks(t, c)
     poison = torch.full_like(x, 0xFF if dtype == torch.uint8 else float("nan"))
     out, _ = sort_chunks_triton(x, sizes.to(kdevice), order.to(kdevice), steps=steps,
                                 out=poison)
@@ -111,9 +113,7 @@ def test_kernel_moves_side_rows(kdevice, h, ns, side_dtype):
     bits = torch.randint(0, 256, (t, h), dtype=torch.uint8, device=kdevice)
     side = torch.randint(0, 256, (t, ns), dtype=torch.uint8).to(side_dtype).to(kdevice)
     probs = torch.rand(t, device=kdevice)
-    cuts = torch.sort(torch.randint(0, t - 9, (c - 1,))).values
-    sizes = torch.diff(torch.cat([torch.tensor([0]), cuts, torch.tensor([t - 9])]))
-    order = torch.randperm(c)
+    sizes, order = _random_chunks(t - 9, c)
     so = torch.full_like(side, 0xFF if side_dtype == torch.uint8 else float("nan"))
     out, pp = sort_chunks_triton(bits, sizes.to(kdevice), order.to(kdevice), probs, side,
                                  out=torch.full_like(bits, 0xFF), side_out=so)
