@@ -4,8 +4,10 @@ program x warps, forward and inverse (the backward), next to the op's gather pat
 
     python benchmarks/sweep_sort_chunks.py [--out F] [--configs dsv3,qwen3]
         [--block-h 1024,4096,8192] [--steps 1,4] [--warps 4,8] [--random-sizes] [--scales]
+        [--fp8]
 
-``--scales`` times only the sort of FP8 scale rows (``run_scales``). Chunks: E of them
+``--scales`` times only the sort of FP8 scale rows (``run_scales``); ``--fp8`` FP8 rows
+with their scale rows, in one launch or two (``run_fp8``). Chunks: E of them
 (an EP rank's received chunks, one per expert), N = T*K rows; sizes N/E each, or with
 ``--random-sizes`` a random split of N (zero-size chunks included). Bytes: N rows read
 and N rows written. Every variant's output is checked bit-exact against the gather path's
@@ -101,6 +103,52 @@ def run_scales(name, copy_bw) -> list[dict]:
     return rows
 
 
+def run_fp8(name, copy_bw, steps_list) -> list[dict]:
+    """The sort of FP8 rows (uint8 bits) with their scale rows as side rows, per recipe:
+    two launches (bits, then scales) against one launch with the side rows moved by the
+    first column program or by one of their own (``side_apart``), bytes or int32 words,
+    ``steps`` row tiles a program. Bytes: bits and scale rows, read once, written once."""
+    import qmoe
+
+    t, h, e, k = CONFIGS[name]
+    n = t * k
+    y = torch.randn(n, h, dtype=torch.bfloat16, device="cuda")
+    sizes = torch.full((e,), n // e, device="cuda")
+    order = torch.randperm(e, device="cuda")
+    src = chunk_source_rows(sizes, order, n)
+    rows = []
+    for rname, recipe in (("blockwise", qmoe.Blockwise()), ("mx", qmoe.MXFP8()),
+                          ("pertensor", qmoe.PerTensor())):
+        q = qmoe.quantize(y, recipe)
+        bits = q.qdata.view(torch.uint8)
+        sc = q.raw_scale if q.raw_scale.dim() == 2 else None
+        nbytes = 2 * (bits.numel() + (sc.numel() * sc.element_size() if sc is not None else 0))
+        record = variant_recorder(rows, name, nbytes, copy_bw, 40)
+        ref = gather_rows(bits, src)
+        out = torch.empty_like(bits)
+        if sc is not None:
+            ref_s = gather_rows(sc, src)
+            so = torch.empty_like(sc)
+            record(f"{rname}: two launches", lambda bits=bits, sc=sc, out=out, so=so: (
+                sort_chunks_triton(bits, sizes, order, out=out),
+                sort_chunks_triton(sc, sizes, order, out=so)))
+        for apart in ((False, True) if sc is not None else (False,)):
+            for words in (False, True):
+                for st in steps_list:
+                    kw = dict(words=words, steps=st, out=out)
+                    if sc is not None:
+                        kw.update(side=sc, side_out=so, side_apart=apart)
+                    out.fill_(0xFF)
+                    got, _ = sort_chunks_triton(bits, sizes, order, **kw)
+                    assert torch.equal(got, ref), (name, rname, apart, words, st)
+                    if sc is not None:
+                        assert torch.equal(so, ref_s), (name, rname, apart, words, st, "side")
+                    label = ("side apart, " if apart else "") + ("words" if words else "bytes")
+                    record(f"{rname}: one launch, {label}, steps {st}",
+                           lambda bits=bits, kw=kw: sort_chunks_triton(bits, sizes, order, **kw))
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
@@ -111,12 +159,17 @@ def main() -> None:
     ap.add_argument("--random-sizes", action="store_true")
     ap.add_argument("--scales", action="store_true",
                     help="only the FP8 scale rows' sort: gather path vs kernel variants")
+    ap.add_argument("--fp8", action="store_true",
+                    help="FP8 rows with their scale rows: two launches vs one (run_fp8)")
     a = ap.parse_args()
     copy_bw = copy_bandwidth_gbs()
     rows = []
     for name in a.configs.split(","):
         if a.scales:
             rows += run_scales(name, copy_bw)
+            continue
+        if a.fp8:
+            rows += run_fp8(name, copy_bw, int_list(a.steps))
             continue
         rows += run_config(name, copy_bw, int_list(a.block_h), int_list(a.steps), int_list(a.warps),
                            a.random_sizes)

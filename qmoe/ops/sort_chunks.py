@@ -37,7 +37,8 @@ def sort_chunks_triton(
     block_h: int | None = None,
     num_warps: int = 4,
     max_scan: int | None = None,
-    words: bool = True,
+    words: bool | None = None,
+    side_apart: bool | None = None,
     out: torch.Tensor | None = None,
     side_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,7 +77,9 @@ def sort_chunks_triton(
     if probs is not None:
         probs = probs.contiguous()  # the kernel reads probs[src] at unit stride
     src, dst = inp, out
-    if words and inp.element_size() == 1 and h < SHORT_ROW_BYTES and _int32_view_ok(inp, out):
+    if words is None:
+        words = h < SHORT_ROW_BYTES
+    if words and inp.element_size() == 1 and _int32_view_ok(inp, out):
         src, dst = inp.view(torch.int32), out.view(torch.int32)  # short byte rows: 4 a lane
     hw, elem = src.shape[1], src.element_size()
     if block_h is None:  # ~16 KiB a tile, as gather_rows
@@ -95,12 +98,16 @@ def sort_chunks_triton(
     if has_s and side.stride(1) != 1:
         side = side.contiguous()
     ns = side.shape[1] if has_s else 0
-    sort_chunks_kernel[(max(1, cdiv(t, br * steps)), cdiv(max(hw, 1), bh))](
+    if side_apart is None:
+        side_apart = False
+    side_apart = side_apart and (has_s or probs is not None)
+    sort_chunks_kernel[(max(1, cdiv(t, br * steps)), cdiv(max(hw, 1), bh) + side_apart)](
         src, dst, split_sizes, sorted_index, probs, pp if probs is not None else None, side,
         side_out if has_s else None, t, hw, c, ns, src.stride(0),
         side.stride(0) if has_s else None, INVERSE=inverse, CHECK=check,
         HAS_P=probs is not None, HAS_SIDE=has_s, BLOCK_C=block_c, BLOCK_R=br, BLOCK_H=bh,
-        BLOCK_S=next_pow2(max(ns, 1)), STEPS=steps, num_warps=num_warps,
+        BLOCK_S=next_pow2(max(ns, 1)), SIDE_APART=side_apart, STEPS=steps,
+        num_warps=num_warps,
         **assert_options(),  # check_chunks, check_probs
     )
     return out, pp

@@ -104,9 +104,12 @@ def test_kernel_short_rows_many_chunks(kdevice, h, dtype, steps):
 
 
 @pytest.mark.parametrize("h,ns,side_dtype", [(300, 3, torch.float32), (64, 2, torch.uint8)])
-def test_kernel_moves_side_rows(kdevice, h, ns, side_dtype):
+@pytest.mark.parametrize("apart,words", [(False, None), (True, True)])
+def test_kernel_moves_side_rows(kdevice, h, ns, side_dtype, apart, words):
     """FP8 bits with their block-scale rows (fp32, or e8m0 bytes) as side rows in one
-    launch, forward and inverse, into poisoned outputs; the probs ride along."""
+    launch, forward and inverse, into poisoned outputs; the probs ride along. The side
+    rows and probs move in the first column program or in one of their own (``apart``);
+    the bits as bytes or int32 words."""
     from qmoe.ops.sort_chunks import sort_chunks_triton
 
     t, c = 150, 7
@@ -115,15 +118,16 @@ def test_kernel_moves_side_rows(kdevice, h, ns, side_dtype):
     probs = torch.rand(t, device=kdevice)
     sizes, order = _random_chunks(t - 9, c)
     so = torch.full_like(side, 0xFF if side_dtype == torch.uint8 else float("nan"))
+    kw = dict(side_apart=apart, words=words, block_h=64)  # 64: several column tiles at 300
     out, pp = sort_chunks_triton(bits, sizes.to(kdevice), order.to(kdevice), probs, side,
-                                 out=torch.full_like(bits, 0xFF), side_out=so)
+                                 out=torch.full_like(bits, 0xFF), side_out=so, **kw)
     ref = R.sort_chunks(bits.cpu(), sizes.tolist(), order.tolist(), probs.cpu())
     assert_same_bits(out.cpu(), ref[0])
     assert_same_bits(pp.cpu(), ref[1])
     assert_same_bits(so.cpu(), R.sort_chunks(side.cpu(), sizes.tolist(), order.tolist())[0])
     so_back = torch.empty_like(side)
     back, _ = sort_chunks_triton(out, sizes.to(kdevice), order.to(kdevice), None, so,
-                                 inverse=True, check=False, side_out=so_back)
+                                 inverse=True, check=False, side_out=so_back, **kw)
     assert_same_bits(back, bits)
     assert_same_bits(so_back, side)
     with pytest.raises(ValueError, match="side and side_out together"):
