@@ -33,12 +33,11 @@ def sort_chunks_triton(
     *,
     inverse: bool = False,
     check: bool = True,
-    steps: int = 1,
+    steps: int | None = None,
     block_h: int | None = None,
     num_warps: int = 4,
     max_scan: int | None = None,
-    words: bool | None = None,
-    side_apart: bool | None = None,
+    words: bool = True,
     out: torch.Tensor | None = None,
     side_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,11 +53,14 @@ def sort_chunks_triton(
     (``steps``) and 4 warps (``num_warps``) a program; from
     ``benchmarks/sweep_sort_chunks.py`` on the H200 (docs/benchmarks.md, session 8): within
     3 points of the best of 16 tilings at dsv3, qwen3, qwen3next, mixtral and gptoss, where
-    8 warps lost up to 45 points. Short rows: ``words`` moves byte rows under
-    ``SHORT_ROW_BYTES`` as int32 words, ``max_scan`` (default ``MAX_SCAN_ELEMENTS``) cuts
-    the tiles (both overridable for the sweep). ``out`` (tests: poisoned) receives the
-    rows. ``side`` ``[T, NS]`` (the block scales of quantized rows) moves alike into
-    ``side_out`` (given by the caller) in the same launch (``qmoe::sort_chunks_rows``)."""
+    8 warps lost up to 45 points. Byte rows (FP8 bits, e8m0 scales): ``words`` moves them
+    as int32 words where the layout allows (session 9, ``--fp8``: dsv3 72 -> 90% of copy,
+    the others within a point), in 4 tiles a program where the chunk scan is long against
+    the tile's rows (``BLOCK_C >= 64 * BLOCK_R``: qwen3next 49 -> 67%, dsv3 within 1.3
+    points); ``max_scan`` (default ``MAX_SCAN_ELEMENTS``) cuts the tiles (all overridable
+    for the sweep). ``out`` (tests: poisoned) receives the rows. ``side`` ``[T, NS]`` (the
+    block scales of quantized rows) moves alike into ``side_out`` (given by the caller) in
+    the same launch (``qmoe::sort_chunks_rows``)."""
     from qmoe.ops._kernels.sort_chunks import sort_chunks_kernel
 
     t, h = inp.shape
@@ -77,16 +79,17 @@ def sort_chunks_triton(
     if probs is not None:
         probs = probs.contiguous()  # the kernel reads probs[src] at unit stride
     src, dst = inp, out
-    if words is None:
-        words = h < SHORT_ROW_BYTES
-    if words and inp.element_size() == 1 and _int32_view_ok(inp, out):
-        src, dst = inp.view(torch.int32), out.view(torch.int32)  # short byte rows: 4 a lane
+    words = words and inp.element_size() == 1 and _int32_view_ok(inp, out)
+    if words:
+        src, dst = inp.view(torch.int32), out.view(torch.int32)  # byte rows: 4 bytes a lane
     hw, elem = src.shape[1], src.element_size()
     if block_h is None:  # ~16 KiB a tile, as gather_rows
         block_h = max(16, min(16384 // elem, next_pow2(max(hw, 1))))
     bh = block_h
     br = max(1, 16384 // (bh * elem))
     block_c = next_pow2(c)
+    if steps is None:  # words (FP8 bits) with a long chunk scan a row: 4 tiles a program
+        steps = 4 if words and block_c >= 64 * br else 1
     max_scan = max_scan or MAX_SCAN_ELEMENTS
     if br * block_c > max_scan:  # short rows, many chunks: bound the per-row scan
         cap = max(1, max_scan // block_c)
@@ -98,29 +101,22 @@ def sort_chunks_triton(
     if has_s and side.stride(1) != 1:
         side = side.contiguous()
     ns = side.shape[1] if has_s else 0
-    if side_apart is None:
-        side_apart = False
-    side_apart = side_apart and (has_s or probs is not None)
-    sort_chunks_kernel[(max(1, cdiv(t, br * steps)), cdiv(max(hw, 1), bh) + side_apart)](
+    sort_chunks_kernel[(max(1, cdiv(t, br * steps)), cdiv(max(hw, 1), bh))](
         src, dst, split_sizes, sorted_index, probs, pp if probs is not None else None, side,
         side_out if has_s else None, t, hw, c, ns, src.stride(0),
         side.stride(0) if has_s else None, INVERSE=inverse, CHECK=check,
         HAS_P=probs is not None, HAS_SIDE=has_s, BLOCK_C=block_c, BLOCK_R=br, BLOCK_H=bh,
-        BLOCK_S=next_pow2(max(ns, 1)), SIDE_APART=side_apart, STEPS=steps,
-        num_warps=num_warps,
+        BLOCK_S=next_pow2(max(ns, 1)), STEPS=steps, num_warps=num_warps,
         **assert_options(),  # check_chunks, check_probs
     )
     return out, pp
 
 
-#: Rows of 1-byte elements (FP8 bits, e8m0 scales) shorter than this move as int32 words
-#: when their layout allows (the MX scale rows' sort ran at 50% of copy at qwen3 in bytes).
-SHORT_ROW_BYTES = 1024
 #: Largest ``BLOCK_R * BLOCK_C`` of a tile: a program whose rows straddle a chunk boundary
 #: scans the chunks for each row (``chunk_sources``), ``[BLOCK_R, BLOCK_C]`` at a time. At
 #: 256 rows x 512 chunks (qwen3next's FP8 scale rows) that ran at 10% of copy; the measured
-#: bf16 tilings stay at or under it (qwen3next: 4 rows x 512 chunks). The cut and the
-#: int32 words were made after the last device call of session 8: not yet measured.
+#: bf16 tilings stay at or under it (qwen3next: 4 rows x 512 chunks). Cut, qwen3next's
+#: blockwise scale rows alone took 0.068 ms instead of 1.45 (session 9, ``--scales``).
 MAX_SCAN_ELEMENTS = 4096
 
 

@@ -131,7 +131,7 @@ def _launches():
     sort_chunks_triton(y.view(torch.uint8), sizes, order, torch.rand(n), sc,
                        side_out=torch.empty_like(sc))
     sort_chunks_triton(y.view(torch.uint8), sizes, order, torch.rand(n), sc,
-                       side_out=torch.empty_like(sc), side_apart=True, words=True)
+                       side_out=torch.empty_like(sc), words=False, steps=4)
     for recipe in (qmoe.PerTensor(), qmoe.Blockwise(), qmoe.MXFP8(),
                    qmoe.MXFP8(fp8_dtype=torch.float8_e5m2)):
         q = qmoe.quantize(y.float(), recipe)

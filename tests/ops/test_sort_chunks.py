@@ -82,11 +82,12 @@ def test_kernel_matches_reference(kdevice, t, h, c, tail, steps):
 
 
 @pytest.mark.parametrize("h,dtype,steps", [(64, torch.uint8, 1), (90, torch.uint8, 3),
-                                           (16, torch.float32, 1)])
+                                           (16, torch.float32, 1), (2048, torch.uint8, None)])
 def test_kernel_short_rows_many_chunks(kdevice, h, dtype, steps):
-    """Short rows (FP8 scale rows) with many chunks: byte rows whose layout allows move as
-    int32 words (h = 64; not h = 90), and tiles are cut to at most MAX_SCAN_ELEMENTS
-    rows x chunks (300 chunks: 512 in the scan), one or several tiles a program."""
+    """Rows with many chunks: byte rows whose layout allows move as int32 words (h = 64,
+    2048; not h = 90); short rows' tiles are cut to at most MAX_SCAN_ELEMENTS rows x chunks
+    (300 chunks: 512 in the scan), one or several tiles a program; 2048-byte rows take the
+    default steps (4 tiles a program: a 512-chunk scan against 8-row tiles)."""
     from qmoe.ops.sort_chunks import MAX_SCAN_ELEMENTS, sort_chunks_triton
 
     assert MAX_SCAN_ELEMENTS < 256 * 512  # the cut applies here
@@ -104,12 +105,11 @@ def test_kernel_short_rows_many_chunks(kdevice, h, dtype, steps):
 
 
 @pytest.mark.parametrize("h,ns,side_dtype", [(300, 3, torch.float32), (64, 2, torch.uint8)])
-@pytest.mark.parametrize("apart,words", [(False, None), (True, True)])
-def test_kernel_moves_side_rows(kdevice, h, ns, side_dtype, apart, words):
+@pytest.mark.parametrize("words", [False, True])
+def test_kernel_moves_side_rows(kdevice, h, ns, side_dtype, words):
     """FP8 bits with their block-scale rows (fp32, or e8m0 bytes) as side rows in one
-    launch, forward and inverse, into poisoned outputs; the probs ride along. The side
-    rows and probs move in the first column program or in one of their own (``apart``);
-    the bits as bytes or int32 words."""
+    launch, forward and inverse, into poisoned outputs; the probs ride along. The bits
+    move as bytes or int32 words, in several column tiles."""
     from qmoe.ops.sort_chunks import sort_chunks_triton
 
     t, c = 150, 7
@@ -118,7 +118,7 @@ def test_kernel_moves_side_rows(kdevice, h, ns, side_dtype, apart, words):
     probs = torch.rand(t, device=kdevice)
     sizes, order = _random_chunks(t - 9, c)
     so = torch.full_like(side, 0xFF if side_dtype == torch.uint8 else float("nan"))
-    kw = dict(side_apart=apart, words=words, block_h=64)  # 64: several column tiles at 300
+    kw = dict(words=words, block_h=64)  # 64: several column tiles at 300
     out, pp = sort_chunks_triton(bits, sizes.to(kdevice), order.to(kdevice), probs, side,
                                  out=torch.full_like(bits, 0xFF), side_out=so, **kw)
     ref = R.sort_chunks(bits.cpu(), sizes.tolist(), order.tolist(), probs.cpu())
