@@ -106,7 +106,8 @@ def run_scales(name, copy_bw) -> list[dict]:
 def run_fp8(name, copy_bw, steps_list) -> list[dict]:
     """The sort of FP8 rows (uint8 bits) with their scale rows as side rows, per recipe:
     two launches (bits, then scales) against one launch, bytes or int32 words, ``steps``
-    row tiles a program, and the launcher's default. Bytes: bits and scale rows, read
+    row tiles a program, the side tiles in the rows' layout (``side_wide``), and the
+    launcher's default. Bytes: bits and scale rows, read
     once, written once. (Session 9 also timed the side rows in a column program of their
     own: 10-35 points slower everywhere, removed.)"""
     import qmoe
@@ -133,17 +134,21 @@ def run_fp8(name, copy_bw, steps_list) -> list[dict]:
             record(f"{rname}: two launches", lambda bits=bits, sc=sc, out=out, so=so: (
                 sort_chunks_triton(bits, sizes, order, out=out),
                 sort_chunks_triton(sc, sizes, order, out=so)))
-        for words, st in [(w, st) for w in (False, True) for st in steps_list] + [(True, None)]:
-            kw = dict(words=words, steps=st, out=out)
+        variants = [(w, st, False) for w in (False, True) for st in steps_list]
+        variants += [(True, None, False)] + ([(True, st, True) for st in steps_list + [None]]
+                                             if sc is not None else [])
+        for words, st, wide in variants:
+            kw = dict(words=words, steps=st, side_wide=wide, out=out)
             if sc is not None:
                 so.fill_(float("nan") if so.is_floating_point() else 0xFF)
                 kw.update(side=sc, side_out=so)
             out.fill_(0xFF)
             got, _ = sort_chunks_triton(bits, sizes, order, **kw)
-            assert torch.equal(got, ref), (name, rname, words, st)
+            assert torch.equal(got, ref), (name, rname, words, st, wide)
             if sc is not None:
-                assert torch.equal(so, ref_s), (name, rname, words, st, "side")
+                assert torch.equal(so, ref_s), (name, rname, words, st, wide, "side")
             label = "default" if st is None else f"{'words' if words else 'bytes'}, steps {st}"
+            label += ", side wide" if wide else ""
             record(f"{rname}: one launch, {label}",
                    lambda bits=bits, kw=kw: sort_chunks_triton(bits, sizes, order, **kw))
     return rows

@@ -38,6 +38,7 @@ def sort_chunks_triton(
     num_warps: int = 4,
     max_scan: int | None = None,
     words: bool = True,
+    side_wide: bool = False,
     out: torch.Tensor | None = None,
     side_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,7 +61,8 @@ def sort_chunks_triton(
     points); ``max_scan`` (default ``MAX_SCAN_ELEMENTS``) cuts the tiles (all overridable
     for the sweep). ``out`` (tests: poisoned) receives the rows. ``side`` ``[T, NS]`` (the
     block scales of quantized rows) moves alike into ``side_out`` (given by the caller) in
-    the same launch (``qmoe::sort_chunks_rows``)."""
+    the same launch (``qmoe::sort_chunks_rows``); ``side_wide`` (where ``block_h >= NS``)
+    shapes its tiles as the rows' (a sweep variant)."""
     from qmoe.ops._kernels.sort_chunks import sort_chunks_kernel
 
     t, h = inp.shape
@@ -106,7 +108,8 @@ def sort_chunks_triton(
         side_out if has_s else None, t, hw, c, ns, src.stride(0),
         side.stride(0) if has_s else None, INVERSE=inverse, CHECK=check,
         HAS_P=probs is not None, HAS_SIDE=has_s, BLOCK_C=block_c, BLOCK_R=br, BLOCK_H=bh,
-        BLOCK_S=next_pow2(max(ns, 1)), STEPS=steps, num_warps=num_warps,
+        BLOCK_S=next_pow2(max(ns, 1)), SIDE_WIDE=side_wide and bh >= ns, STEPS=steps,
+        num_warps=num_warps,
         **assert_options(),  # check_chunks, check_probs
     )
     return out, pp

@@ -132,6 +132,8 @@ def _launches():
                        side_out=torch.empty_like(sc))
     sort_chunks_triton(y.view(torch.uint8), sizes, order, torch.rand(n), sc,
                        side_out=torch.empty_like(sc), words=False, steps=4)
+    sort_chunks_triton(y.view(torch.uint8), sizes, order, None, sc,
+                       side_out=torch.empty_like(sc), side_wide=True)
     for recipe in (qmoe.PerTensor(), qmoe.Blockwise(), qmoe.MXFP8(),
                    qmoe.MXFP8(fp8_dtype=torch.float8_e5m2)):
         q = qmoe.quantize(y.float(), recipe)

@@ -105,11 +105,12 @@ def test_kernel_short_rows_many_chunks(kdevice, h, dtype, steps):
 
 
 @pytest.mark.parametrize("h,ns,side_dtype", [(300, 3, torch.float32), (64, 2, torch.uint8)])
-@pytest.mark.parametrize("words", [False, True])
-def test_kernel_moves_side_rows(kdevice, h, ns, side_dtype, words):
+@pytest.mark.parametrize("words,wide", [(False, False), (True, False), (True, True)])
+def test_kernel_moves_side_rows(kdevice, h, ns, side_dtype, words, wide):
     """FP8 bits with their block-scale rows (fp32, or e8m0 bytes) as side rows in one
     launch, forward and inverse, into poisoned outputs; the probs ride along. The bits
-    move as bytes or int32 words, in several column tiles."""
+    move as bytes or int32 words, in several column tiles; the side tiles in their own
+    columns or in the rows' (``side_wide``)."""
     from qmoe.ops.sort_chunks import sort_chunks_triton
 
     t, c = 150, 7
@@ -118,7 +119,7 @@ def test_kernel_moves_side_rows(kdevice, h, ns, side_dtype, words):
     probs = torch.rand(t, device=kdevice)
     sizes, order = _random_chunks(t - 9, c)
     so = torch.full_like(side, 0xFF if side_dtype == torch.uint8 else float("nan"))
-    kw = dict(words=words, block_h=64)  # 64: several column tiles at 300
+    kw = dict(words=words, side_wide=wide, block_h=64)  # 64: several column tiles at 300
     out, pp = sort_chunks_triton(bits, sizes.to(kdevice), order.to(kdevice), probs, side,
                                  out=torch.full_like(bits, 0xFF), side_out=so, **kw)
     ref = R.sort_chunks(bits.cpu(), sizes.tolist(), order.tolist(), probs.cpu())

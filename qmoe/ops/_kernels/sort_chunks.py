@@ -101,6 +101,7 @@ def sort_chunks_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_S: tl.constexpr,  # >= NS when HAS_SIDE
+    SIDE_WIDE: tl.constexpr,  # side tiles [BLOCK_R, BLOCK_H] (BLOCK_H >= NS), see below
     STEPS: tl.constexpr,  # row tiles a program, one after the other
 ):
     """Grid ``(max(1, cdiv(T, BLOCK_R * STEPS)), cdiv(H, BLOCK_H))``: out[r] = inp[src(r)]
@@ -120,7 +121,10 @@ def sort_chunks_kernel(
     one_chunk = tl.min(pos, axis=0) == tl.max(pos, axis=0)
     delta = tl.sum(tl.where(tl.arange(0, 2) == 0, chunk_sources(
         ends, idx, idx_in, sz, szs, end, T, C, INVERSE, BLOCK_C) - ends, 0), axis=0)
-    sc = tl.arange(0, BLOCK_S)
+    # side columns: their own [BLOCK_S] range, or (SIDE_WIDE, BLOCK_H >= NS) the rows' own
+    # column range, so the side tile shares the rows' layout (only the first column
+    # program, where cols = 0..BLOCK_H-1, moves side rows)
+    sc = cols if SIDE_WIDE else tl.arange(0, BLOCK_S)
     for step in tl.static_range(STEPS):
         rows = (tl.program_id(0) * STEPS + step) * BLOCK_R + tl.arange(0, BLOCK_R)
         rmask = rows < T
