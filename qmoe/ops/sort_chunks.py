@@ -38,7 +38,7 @@ def sort_chunks_triton(
     num_warps: int = 4,
     max_scan: int | None = None,
     words: bool = True,
-    side_wide: bool = False,
+    side_wide: bool | None = None,
     out: torch.Tensor | None = None,
     side_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,8 +61,9 @@ def sort_chunks_triton(
     points); ``max_scan`` (default ``MAX_SCAN_ELEMENTS``) cuts the tiles (all overridable
     for the sweep). ``out`` (tests: poisoned) receives the rows. ``side`` ``[T, NS]`` (the
     block scales of quantized rows) moves alike into ``side_out`` (given by the caller) in
-    the same launch (``qmoe::sort_chunks_rows``); ``side_wide`` (where ``block_h >= NS``)
-    shapes its tiles as the rows' (a sweep variant)."""
+    the same launch (``qmoe::sort_chunks_rows``); ``side_wide`` (default: tiles of at most
+    ``SIDE_WIDE_MAX_COLS`` columns; always ``block_h >= NS``) shapes its tiles as the
+    rows'."""
     from qmoe.ops._kernels.sort_chunks import sort_chunks_kernel
 
     t, h = inp.shape
@@ -103,6 +104,8 @@ def sort_chunks_triton(
     if has_s and side.stride(1) != 1:
         side = side.contiguous()
     ns = side.shape[1] if has_s else 0
+    if side_wide is None:
+        side_wide = bh <= SIDE_WIDE_MAX_COLS
     sort_chunks_kernel[(max(1, cdiv(t, br * steps)), cdiv(max(hw, 1), bh))](
         src, dst, split_sizes, sorted_index, probs, pp if probs is not None else None, side,
         side_out if has_s else None, t, hw, c, ns, src.stride(0),
@@ -121,6 +124,15 @@ def sort_chunks_triton(
 #: bf16 tilings stay at or under it (qwen3next: 4 rows x 512 chunks). Cut, qwen3next's
 #: blockwise scale rows alone took 0.068 ms instead of 1.45 (session 9, ``--scales``).
 MAX_SCAN_ELEMENTS = 4096
+
+
+#: Widest row tile whose side rows (block scales) move in tiles of the rows' own shape
+#: (``SIDE_WIDE``: the side tile then shares the rows' layout, at the cost of masked-off
+#: lanes). Session 9, ``sweep_sort_chunks.py --fp8``, % of copy narrow -> wide: qwen3next
+#: (512 int32 columns) blockwise 67.5 -> 88.7, MX 68.4 -> 73.5; dsv3 (2048 columns)
+#: blockwise 88.9 -> 83.2, MX 89.0 -> 71.1. Tiles between (1024 columns: qwen3, mixtral,
+#: gptoss, at 78-93% narrow) were not timed wide and stay narrow.
+SIDE_WIDE_MAX_COLS = 512
 
 
 def _int32_view_ok(inp: torch.Tensor, out: torch.Tensor) -> bool:

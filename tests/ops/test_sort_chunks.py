@@ -105,12 +105,13 @@ def test_kernel_short_rows_many_chunks(kdevice, h, dtype, steps):
 
 
 @pytest.mark.parametrize("h,ns,side_dtype", [(300, 3, torch.float32), (64, 2, torch.uint8)])
-@pytest.mark.parametrize("words,wide", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("words,wide", [(False, False), (True, False), (True, True),
+                                        (True, None)])
 def test_kernel_moves_side_rows(kdevice, h, ns, side_dtype, words, wide):
     """FP8 bits with their block-scale rows (fp32, or e8m0 bytes) as side rows in one
     launch, forward and inverse, into poisoned outputs; the probs ride along. The bits
     move as bytes or int32 words, in several column tiles; the side tiles in their own
-    columns or in the rows' (``side_wide``)."""
+    columns or in the rows' (``side_wide``; None: the launcher's rule, wide at 64 columns)."""
     from qmoe.ops.sort_chunks import sort_chunks_triton
 
     t, c = 150, 7
