@@ -134,9 +134,11 @@ def run_fp8(name, copy_bw, steps_list) -> list[dict]:
             record(f"{rname}: two launches", lambda bits=bits, sc=sc, out=out, so=so: (
                 sort_chunks_triton(bits, sizes, order, out=out),
                 sort_chunks_triton(sc, sizes, order, out=so)))
+        # (words, steps, side_wide); None: the launcher's rule. (True, None, None) is its
+        # default; side_wide=True variants only where there are side rows
         variants = [(w, st, False) for w in (False, True) for st in steps_list]
-        variants += [(True, None, False)] + ([(True, st, True) for st in steps_list + [None]]
-                                             if sc is not None else [])
+        variants += [(True, None, None)] + ([(True, st, True) for st in steps_list + [None]]
+                                            if sc is not None else [])
         for words, st, wide in variants:
             kw = dict(words=words, steps=st, side_wide=wide, out=out)
             if sc is not None:
@@ -147,8 +149,12 @@ def run_fp8(name, copy_bw, steps_list) -> list[dict]:
             assert torch.equal(got, ref), (name, rname, words, st, wide)
             if sc is not None:
                 assert torch.equal(so, ref_s), (name, rname, words, st, wide, "side")
-            label = "default" if st is None else f"{'words' if words else 'bytes'}, steps {st}"
-            label += ", side wide" if wide else ""
+            if st is None and wide is None:
+                label = "default"
+            else:
+                label = ("default steps" if st is None
+                         else f"{'words' if words else 'bytes'}, steps {st}")
+                label += ", side wide" if wide else ", side narrow" if sc is not None else ""
             record(f"{rname}: one launch, {label}",
                    lambda bits=bits, kw=kw: sort_chunks_triton(bits, sizes, order, **kw))
     return rows

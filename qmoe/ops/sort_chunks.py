@@ -51,7 +51,7 @@ def sort_chunks_triton(
     the order is a permutation; moved probs must not be NaN. No host sync.
 
     Tiles: ~16 KiB of rows (``block_h`` columns, up to 16 KiB of one row), one tile
-    (``steps``) and 4 warps (``num_warps``) a program; from
+    (``steps``; for byte rows see below) and 4 warps (``num_warps``) a program; from
     ``benchmarks/sweep_sort_chunks.py`` on the H200 (docs/benchmarks.md, session 8): within
     3 points of the best of 16 tilings at dsv3, qwen3, qwen3next, mixtral and gptoss, where
     8 warps lost up to 45 points. Byte rows (FP8 bits, e8m0 scales): ``words`` moves them
@@ -96,9 +96,9 @@ def sort_chunks_triton(
     max_scan = max_scan or MAX_SCAN_ELEMENTS
     if br * block_c > max_scan:  # short rows, many chunks: bound the per-row scan
         cap = max(1, max_scan // block_c)
-        # the cut tiles in up to 8 steps a program (one chunk table for all), as long as
-        # that leaves about 2048 programs or more
-        steps *= max(1, min(8, br // cap, cdiv(t, cap) // 2048))
+        # the cut tiles in up to 8 times the steps a program (one chunk table for all), as
+        # long as that leaves about 2048 programs or more
+        steps *= max(1, min(8, br // cap, cdiv(t, cap * steps) // 2048))
         br = cap
     has_s = side is not None
     if has_s and side.stride(1) != 1:
