@@ -70,6 +70,10 @@ def sort_chunks_triton(
     c = split_sizes.numel()
     if (side is None) != (side_out is None):
         raise ValueError("sort_chunks_triton: pass side and side_out together")
+    for name, x in (("out", out), ("side_out", side_out)):
+        if x is not None and not x.is_contiguous():
+            raise ValueError(f"sort_chunks_triton: {name} must be contiguous (the kernel "
+                             "writes rows at a stride of their width); pass a fresh tensor")
     out = inp.new_empty((t, h)) if out is None else out
     pp = probs.new_empty((t,)) if probs is not None else inp.new_empty(0)
     if c == 0:  # no chunks: every row stays

@@ -134,6 +134,9 @@ def test_kernel_moves_side_rows(kdevice, h, ns, side_dtype, words, wide):
     assert_same_bits(so_back, side)
     with pytest.raises(ValueError, match="side and side_out together"):
         sort_chunks_triton(bits, sizes.to(kdevice), order.to(kdevice), None, side)
+    with pytest.raises(ValueError, match="side_out must be contiguous"):
+        sort_chunks_triton(bits, sizes.to(kdevice), order.to(kdevice), None, side,
+                           side_out=torch.empty(ns, t, dtype=side.dtype, device=kdevice).t())
 
 
 _BAD = {  # (sizes, order, NaN prob): T = 12 rows
