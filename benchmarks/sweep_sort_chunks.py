@@ -106,10 +106,10 @@ def run_scales(name, copy_bw) -> list[dict]:
 def run_fp8(name, copy_bw, steps_list) -> list[dict]:
     """The sort of FP8 rows (uint8 bits) with their scale rows as side rows, per recipe:
     two launches (bits, then scales) against one launch, bytes or int32 words, ``steps``
-    row tiles a program, the side tiles in the rows' layout (``side_wide``), and the
-    launcher's default. Bytes: bits and scale rows, read
-    once, written once. (Session 9 also timed the side rows in a column program of their
-    own: 10-35 points slower everywhere, removed.)"""
+    row tiles a program, the side tiles in the rows' layout (``side_wide``), byte side
+    rows as int32 words (``side_words``, MX), and the launcher's default. Bytes: bits and
+    scale rows, read once, written once. (Session 9 also timed the side rows in a column
+    program of their own: 10-35 points slower everywhere, removed.)"""
     import qmoe
 
     t, h, e, k = CONFIGS[name]
@@ -134,23 +134,30 @@ def run_fp8(name, copy_bw, steps_list) -> list[dict]:
             record(f"{rname}: two launches", lambda bits=bits, sc=sc, out=out, so=so: (
                 sort_chunks_triton(bits, sizes, order, out=out),
                 sort_chunks_triton(sc, sizes, order, out=so)))
-        # (words, steps, side_wide); None: the launcher's rule. (True, None, None) is its
-        # default; side_wide=True variants only where there are side rows
-        variants = [(w, st, False) for w in (False, True) for st in steps_list]
-        variants += [(True, None, None)] + ([(True, st, True) for st in steps_list + [None]]
-                                            if sc is not None else [])
-        for words, st, wide in variants:
-            kw = dict(words=words, steps=st, side_wide=wide, out=out)
+        # (words, steps, side_wide, side_words); None: the launcher's rule. (True, None,
+        # None, False) is its default; side_wide=True only where there are side rows,
+        # side_words only where they are bytes (MX)
+        variants = [(w, st, False, False) for w in (False, True) for st in steps_list]
+        variants.append((True, None, None, False))
+        if sc is not None:
+            variants += [(True, st, True, False) for st in steps_list + [None]]
+        if sc is not None and sc.element_size() == 1:
+            variants += [(True, None, wide, True) for wide in (False, True, None)]
+        for words, st, wide, sw in variants:
+            kw = dict(words=words, steps=st, side_wide=wide, side_words=sw, out=out)
             if sc is not None:
                 so.fill_(float("nan") if so.is_floating_point() else 0xFF)
                 kw.update(side=sc, side_out=so)
             out.fill_(0xFF)
             got, _ = sort_chunks_triton(bits, sizes, order, **kw)
-            assert torch.equal(got, ref), (name, rname, words, st, wide)
+            assert torch.equal(got, ref), (name, rname, words, st, wide, sw)
             if sc is not None:
-                assert torch.equal(so, ref_s), (name, rname, words, st, wide, "side")
-            if st is None and wide is None:
+                assert torch.equal(so, ref_s), (name, rname, words, st, wide, sw, "side")
+            if st is None and wide is None and not sw:
                 label = "default"
+            elif sw:
+                label = "default steps, side words" + {False: ", narrow", True: ", wide",
+                                                       None: ""}[wide]
             else:
                 label = ("default steps" if st is None
                          else f"{'words' if words else 'bytes'}, steps {st}")

@@ -39,6 +39,7 @@ def sort_chunks_triton(
     max_scan: int | None = None,
     words: bool = True,
     side_wide: bool | None = None,
+    side_words: bool = False,
     out: torch.Tensor | None = None,
     side_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,7 +64,8 @@ def sort_chunks_triton(
     block scales of quantized rows) moves alike into ``side_out`` (given by the caller) in
     the same launch (``qmoe::sort_chunks_rows``); ``side_wide`` (default: tiles of at most
     ``SIDE_WIDE_MAX_COLS`` columns; always ``block_h >= NS``) shapes its tiles as the
-    rows'."""
+    rows'; ``side_words`` moves byte side rows (e8m0 scales) as int32 words where their
+    layout allows (a sweep variant, off: not yet timed)."""
     from qmoe.ops._kernels.sort_chunks import sort_chunks_kernel
 
     t, h = inp.shape
@@ -107,6 +109,8 @@ def sort_chunks_triton(
     has_s = side is not None
     if has_s and side.stride(1) != 1:
         side = side.contiguous()
+    if has_s and side_words and side.element_size() == 1 and _int32_view_ok(side, side_out):
+        side, side_out = side.view(torch.int32), side_out.view(torch.int32)  # caller's storage
     ns = side.shape[1] if has_s else 0
     if side_wide is None:
         side_wide = bh <= SIDE_WIDE_MAX_COLS

@@ -134,6 +134,9 @@ def _launches():
                        side_out=torch.empty_like(sc), words=False, steps=4)
     sort_chunks_triton(y.view(torch.uint8), sizes, order, None, sc,
                        side_out=torch.empty_like(sc), side_wide=True)
+    mx = torch.zeros(n, 8, dtype=torch.uint8)  # e8m0 side rows as int32 words
+    sort_chunks_triton(y.view(torch.uint8), sizes, order, None, mx,
+                       side_out=torch.empty_like(mx), side_words=True)
     for recipe in (qmoe.PerTensor(), qmoe.Blockwise(), qmoe.MXFP8(),
                    qmoe.MXFP8(fp8_dtype=torch.float8_e5m2)):
         q = qmoe.quantize(y.float(), recipe)

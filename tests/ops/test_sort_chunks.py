@@ -104,14 +104,17 @@ def test_kernel_short_rows_many_chunks(kdevice, h, dtype, steps):
     assert_same_bits(back, x)
 
 
-@pytest.mark.parametrize("h,ns,side_dtype", [(300, 3, torch.float32), (64, 2, torch.uint8)])
-@pytest.mark.parametrize("words,wide", [(False, False), (True, False), (True, True),
-                                        (True, None)])
-def test_kernel_moves_side_rows(kdevice, h, ns, side_dtype, words, wide):
+@pytest.mark.parametrize("h,ns,side_dtype", [(300, 3, torch.float32), (64, 2, torch.uint8),
+                                             (128, 4, torch.uint8)])
+@pytest.mark.parametrize("words,wide,side_words", [
+    (False, False, False), (True, False, False), (True, True, False), (True, None, False),
+    (True, False, True), (True, True, True)])
+def test_kernel_moves_side_rows(kdevice, h, ns, side_dtype, words, wide, side_words):
     """FP8 bits with their block-scale rows (fp32, or e8m0 bytes) as side rows in one
     launch, forward and inverse, into poisoned outputs; the probs ride along. The bits
     move as bytes or int32 words, in several column tiles; the side tiles in their own
-    columns or in the rows' (``side_wide``; None: the launcher's rule, wide at 64 columns)."""
+    columns or in the rows' (``side_wide``; None: the launcher's rule, wide at 64 columns);
+    byte side rows as int32 words (``side_words``: ns = 4 does, ns = 2 stays bytes)."""
     from qmoe.ops.sort_chunks import sort_chunks_triton
 
     t, c = 150, 7
@@ -120,7 +123,8 @@ def test_kernel_moves_side_rows(kdevice, h, ns, side_dtype, words, wide):
     probs = torch.rand(t, device=kdevice)
     sizes, order = _random_chunks(t - 9, c)
     so = torch.full_like(side, 0xFF if side_dtype == torch.uint8 else float("nan"))
-    kw = dict(words=words, side_wide=wide, block_h=64)  # 64: several column tiles at 300
+    # block_h 64: several column tiles at h = 300
+    kw = dict(words=words, side_wide=wide, side_words=side_words, block_h=64)
     out, pp = sort_chunks_triton(bits, sizes.to(kdevice), order.to(kdevice), probs, side,
                                  out=torch.full_like(bits, 0xFF), side_out=so, **kw)
     ref = R.sort_chunks(bits.cpu(), sizes.tolist(), order.tolist(), probs.cpu())
