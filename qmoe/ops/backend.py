@@ -18,7 +18,7 @@ from qmoe.tensors.base import e8m0_to_fp32, expand_block_scales
 
 def assert_options() -> dict[str, bool]:
     """Launch options of the kernels that check their inputs with ``tl.device_assert``
-    (``check_routes``, ``check_probs``, the chunk sort's checks): ``debug=True`` compiles
+    (``check_routes``, ``assert_probs_not_nan``, the chunk sort's checks): ``debug=True`` compiles
     the asserts in, ``sanitize_overflow=False`` keeps out the integer-overflow checks that
     debug would add, so the asserts are the only difference; Inductor launches its own
     kernels the same way. A new dict each call."""
@@ -153,7 +153,7 @@ def permute_rows(
             num_slots(rid), ns, r, z, x.stride(0), weights.stride(0) if has_w else None,
             probs.stride(0) if has_p else None, side.stride(0) if has_s else None,
             HAS_W=has_w, HAS_P=has_p, HAS_SIDE=has_s, HAS_FILL=has_f, KB=kb, BLOCK_H=bh,
-            BLOCK_S=bs, num_warps=nw, **assert_options(),  # check_probs
+            BLOCK_S=bs, num_warps=nw, **assert_options(),  # assert_probs_not_nan
         )
     if not has_f:
         zero_unwritten_rows(out, written, probs_out if has_p else None,

@@ -141,7 +141,7 @@ def _permute(fn, inp, probs, routing_map, map_type, num_out_tokens, num_experts,
              quantize_scale, align_size=1):
     """``(output [N, H], permuted_probs [N] or empty, row_id_map)`` of the public functions."""
     n = _out_rows(fn, inp, routing_map, map_type, num_out_tokens, num_experts, align_size)
-    # On CUDA the permute kernels check the probs of the routes they move (check_probs, a
+    # On CUDA the permute kernels check the probs of the routes they move (assert_probs_not_nan, a
     # device assert: no extra pass over probs); elsewhere every entry is checked here.
     C.check_probs(fn, "probs", probs, inp.shape[0], routing_map.shape[1], inp,
                   "E" if map_type == "mask" else "K", nan=not inp.is_cuda)

@@ -120,7 +120,7 @@ def permute_mask_triton(
         CHUNK_T=count_chunk(t, be, nw), KB=kb, BLOCK_H=bh,
         BLOCK_S=next_pow2(max(ns, 1)), TOKENS=tokens,
         REG_ROUTES=reg_routes_flag(be, reg_routes), num_warps=nw,
-        **assert_options(),  # check_probs
+        **assert_options(),  # assert_probs_not_nan
     )
     return out, pp, so, rid
 

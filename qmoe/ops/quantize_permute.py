@@ -107,7 +107,7 @@ def quantize_permute_triton(x, rid, probs, n, block_size, fp8_dtype, scale_mode,
             x, q, s_out, rid, probs if has_p else x, pp if has_p else written, written,
             fill if has_f else written, t, n, h, nb, num_slots(rid), r, z, x.stride(0),
             probs.stride(0) if has_p else 0, HAS_P=has_p, HAS_FILL=has_f, KB=kb,
-            num_warps=num_warps, **assert_options(), **consts,  # check_probs
+            num_warps=num_warps, **assert_options(), **consts,  # assert_probs_not_nan
         )
     if not has_f:
         zero_unwritten_rows(q, written, pp if has_p else None, None if given else s_out)
@@ -155,7 +155,7 @@ def quantize_permute_mask_triton(x, mask, n, align_size, probs, block_size, fp8_
         HAS_P=has_p, SMALL=small, BLOCK_T=bt, BLOCK_E=be,
         CHUNK_T=count_chunk(t, be, num_warps), KB=kb,
         REG_ROUTES=reg_routes_flag(be, reg_routes), num_warps=num_warps,
-        **assert_options(), **consts,  # check_probs
+        **assert_options(), **consts,  # assert_probs_not_nan
     )
     return q.view(fp8_dtype), s_out, pp, rid
 

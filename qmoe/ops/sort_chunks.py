@@ -121,7 +121,7 @@ def sort_chunks_triton(
         HAS_P=probs is not None, HAS_SIDE=has_s, BLOCK_C=block_c, BLOCK_R=br, BLOCK_H=bh,
         BLOCK_S=next_pow2(max(ns, 1)), SIDE_WIDE=side_wide and bh >= ns, STEPS=steps,
         num_warps=num_warps,
-        **assert_options(),  # check_chunks, check_probs
+        **assert_options(),  # check_chunks, assert_probs_not_nan
     )
     return out, pp
 

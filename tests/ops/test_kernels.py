@@ -432,7 +432,7 @@ print("no error")
 
 @pytest.mark.parametrize("path", ["scatter", "mask", "quantize", "quantize_mask"])
 def test_permute_kernels_refuse_nan_in_routed_probs(kdevice, path, interpreter_asserts):
-    """The permute kernels check the probs they move (``check_probs``, a device assert in
+    """The permute kernels check the probs they move (``assert_probs_not_nan``, a device assert in
     place of a pass over all of probs): a NaN in a routed entry fails; NaN in unrouted
     entries reaches no output and passes, with the permuted probs bit-identical to those of
     the same probs with the NaN zeroed. On CUDA the failing case runs in a child process

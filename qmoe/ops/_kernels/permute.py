@@ -162,7 +162,7 @@ def _scatter_token(t, x, out_ptr, map_ptr, w_ptr, written_ptr, p_ptr, pp_ptr, si
 
 
 @triton.jit
-def check_probs(pv):
+def assert_probs_not_nan(pv):
     """The permute kernels' probs check: a device-side assert that the probs of the routes
     they move hold no NaN (compiled in only when launched with ``debug=True``, as
     ``check_routes``); it replaces a pass over all of ``probs`` and its assert launch."""
@@ -191,7 +191,7 @@ def store_routes(t, x, d, c, smask, out_ptr, w_ptr, written_ptr, p_ptr, pp_ptr, 
             tl.store(written_ptr + d, tl.full((KB,), 1, dtype=tl.int8), mask=smask)
         if HAS_P:
             pv = tl.load(p_ptr + t * stride_p + c, mask=smask, other=0.0)
-            check_probs(pv)
+            assert_probs_not_nan(pv)
             tl.store(pp_ptr + d, pv, mask=smask)
         if HAS_SIDE:
             sc = tl.arange(0, BLOCK_S)

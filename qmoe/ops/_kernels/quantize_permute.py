@@ -18,7 +18,7 @@ experts' totals.
 import triton
 import triton.language as tl
 
-from qmoe.ops._kernels.permute import check_probs, zero_fill_rows, zero_rows
+from qmoe.ops._kernels.permute import assert_probs_not_nan, zero_fill_rows, zero_rows
 from qmoe.ops._kernels.permute_mask import map_token, next_rows, routes_at, unwritten_range
 from qmoe.tensors._kernels.quantize import quantize_tile
 
@@ -128,7 +128,7 @@ def _store_quantized(t, q, stored, d, c, keep, q_ptr, s_ptr, p_ptr, pp_ptr, writ
             tl.store(written_ptr + d, tl.full((KB,), 1, dtype=tl.int8), mask=keep)
         if HAS_P:
             pv = tl.load(p_ptr + t * stride_p + c, mask=keep, other=0.0)
-            check_probs(pv)
+            assert_probs_not_nan(pv)
             tl.store(pp_ptr + d, pv, mask=keep)
 
 

@@ -13,7 +13,7 @@ the order with device asserts (launched with ``debug=True``), in place of the op
 import triton
 import triton.language as tl
 
-from qmoe.ops._kernels.permute import check_probs
+from qmoe.ops._kernels.permute import assert_probs_not_nan
 
 
 @triton.jit
@@ -146,7 +146,7 @@ def sort_chunks_kernel(
         tl.store(out_ptr + rows.to(tl.int64)[:, None] * H + cols[None, :], x, mask=m)
         if HAS_P:
             if CHECK:  # (not in the backward: NaN gradients pass through)
-                check_probs(pv)
+                assert_probs_not_nan(pv)
             tl.store(pp_ptr + rows, pv, mask=pm)
         if HAS_SIDE:
             tl.store(side_out_ptr + rows.to(tl.int64)[:, None] * NS + sc[None, :], sv,
