@@ -87,10 +87,9 @@ def sort_chunks_triton(
         inp = inp.contiguous()
     if probs is not None:
         probs = probs.contiguous()  # the kernel reads probs[src] at unit stride
-    src, dst = inp, out
-    words = words and inp.element_size() == 1 and _int32_view_ok(inp, out)
-    if words:
-        src, dst = inp.view(torch.int32), out.view(torch.int32)  # byte rows: 4 bytes a lane
+    views = _int32_views(inp, out) if words else None  # byte rows: 4 bytes a lane
+    words = views is not None
+    src, dst = views or (inp, out)
     hw, elem = src.shape[1], src.element_size()
     if block_h is None:  # ~16 KiB a tile, as gather_rows
         block_h = max(16, min(16384 // elem, next_pow2(max(hw, 1))))
@@ -109,8 +108,8 @@ def sort_chunks_triton(
     has_s = side is not None
     if has_s and side.stride(1) != 1:
         side = side.contiguous()
-    if has_s and side_words and side.element_size() == 1 and _int32_view_ok(side, side_out):
-        side, side_out = side.view(torch.int32), side_out.view(torch.int32)  # caller's storage
+    if has_s and side_words:  # (views of the caller's side_out: written in place)
+        side, side_out = _int32_views(side, side_out) or (side, side_out)
     ns = side.shape[1] if has_s else 0
     if side_wide is None:
         side_wide = bh <= SIDE_WIDE_MAX_COLS
@@ -143,11 +142,17 @@ MAX_SCAN_ELEMENTS = 4096
 SIDE_WIDE_MAX_COLS = 512
 
 
-def _int32_view_ok(inp: torch.Tensor, out: torch.Tensor) -> bool:
-    """Whether 1-byte rows ``inp`` and ``out`` (unit column stride) view as int32 words."""
-    h = inp.shape[1]
-    return all(x.stride(1) == 1 and h % 4 == 0 and x.stride(0) % 4 == 0
-               and x.storage_offset() % 4 == 0 for x in (inp, out))
+def _int32_views(
+    a: torch.Tensor, b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(a, b)`` (b shaped as a) viewed as int32 words, or None unless both are 1-byte
+    rows that allow it (unit column stride; width, row stride and offset multiples of 4)."""
+    h = a.shape[1]
+    if a.element_size() != 1 or not all(
+            x.stride(1) == 1 and h % 4 == 0 and x.stride(0) % 4 == 0
+            and x.storage_offset() % 4 == 0 for x in (a, b)):
+        return None
+    return a.view(torch.int32), b.view(torch.int32)
 
 
 def chunk_source_rows(
