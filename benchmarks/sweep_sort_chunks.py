@@ -135,16 +135,20 @@ def run_fp8(name, copy_bw, steps_list) -> list[dict]:
                 sort_chunks_triton(bits, sizes, order, out=out),
                 sort_chunks_triton(sc, sizes, order, out=so)))
         # (words, steps, side_wide, side_words); None: the launcher's rule. (True, None,
-        # None, False) is its default; side_wide=True only where there are side rows,
+        # None, None) is its default; side_wide=True only where there are side rows,
         # side_words only where they are bytes (MX)
         variants = [(w, st, False, False) for w in (False, True) for st in steps_list]
-        variants.append((True, None, None, False))
+        variants.append((True, None, None, None))
         if sc is not None:
-            variants += [(True, st, True, False) for st in steps_list + [None]]
+            extra = [None] if sc.element_size() != 1 else []  # (MX: in the next list)
+            variants += [(True, st, True, False) for st in steps_list + extra]
         if sc is not None and sc.element_size() == 1:
-            variants += [(True, None, wide, True) for wide in (False, True, None)]
+            variants += [(True, None, wide, sw) for wide in (False, True, None)
+                         for sw in (False, True)]
         for words, st, wide, sw in variants:
-            kw = dict(words=words, steps=st, side_wide=wide, side_words=sw, out=out)
+            kw = dict(words=words, steps=st, side_wide=wide, out=out)
+            if sw is not None:
+                kw.update(side_words=sw)
             if sc is not None:
                 so.fill_(float("nan") if so.is_floating_point() else 0xFF)
                 kw.update(side=sc, side_out=so)
@@ -153,11 +157,11 @@ def run_fp8(name, copy_bw, steps_list) -> list[dict]:
             assert torch.equal(got, ref), (name, rname, words, st, wide, sw)
             if sc is not None:
                 assert torch.equal(so, ref_s), (name, rname, words, st, wide, sw, "side")
-            if st is None and wide is None and not sw:
+            if st is None and wide is None and sw is None:
                 label = "default"
-            elif sw:
-                label = "default steps, side words" + {False: ", narrow", True: ", wide",
-                                                       None: ""}[wide]
+            elif st is None and sc is not None and sc.element_size() == 1:
+                label = (f"default steps, side {'words' if sw else 'bytes'}"
+                         + {False: ", narrow", True: ", wide", None: ""}[wide])
             else:
                 label = ("default steps" if st is None
                          else f"{'words' if words else 'bytes'}, steps {st}")

@@ -39,7 +39,7 @@ def sort_chunks_triton(
     max_scan: int | None = None,
     words: bool = True,
     side_wide: bool | None = None,
-    side_words: bool = False,
+    side_words: bool = True,
     out: torch.Tensor | None = None,
     side_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,7 +65,8 @@ def sort_chunks_triton(
     the same launch (``qmoe::sort_chunks_rows``); ``side_wide`` (default: tiles of at most
     ``SIDE_WIDE_MAX_COLS`` columns; always ``block_h >= NS``) shapes its tiles as the
     rows'; ``side_words`` moves byte side rows (e8m0 scales) as int32 words where their
-    layout allows (a sweep variant, off: not yet timed)."""
+    layout allows (session 10: qwen3next MX 73.6 -> 88.7% of copy, dsv3, qwen3, mixtral
+    and gptoss within half a point)."""
     from qmoe.ops._kernels.sort_chunks import sort_chunks_kernel
 
     t, h = inp.shape
@@ -137,8 +138,8 @@ MAX_SCAN_ELEMENTS = 4096
 #: (``SIDE_WIDE``: the side tile then shares the rows' layout, at the cost of masked-off
 #: lanes). Session 9, ``sweep_sort_chunks.py --fp8``, % of copy narrow -> wide: qwen3next
 #: (512 int32 columns) blockwise 67.5 -> 88.7, MX 68.4 -> 73.5; dsv3 (2048 columns)
-#: blockwise 88.9 -> 83.2, MX 89.0 -> 71.1. Tiles between (1024 columns: qwen3, mixtral,
-#: gptoss, at 78-93% narrow) were not timed wide and stay narrow.
+#: blockwise 88.9 -> 83.2, MX 89.0 -> 71.1. At 1024 columns (session 10, ``--steps 1``:
+#: qwen3, mixtral, gptoss) wide moved -2.3 to +1.1 points: no gain, they stay narrow.
 SIDE_WIDE_MAX_COLS = 512
 
 
