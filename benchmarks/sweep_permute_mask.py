@@ -20,6 +20,7 @@ out: a steady-state rate, next to the single call's). ``--rows fp8`` skips the b
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 
@@ -97,7 +98,7 @@ def two_step(x, mask, n, side=None, side_out=None):
 
 def run_config(name: str, copy_bw: float, block_ts, warps, tokens=(1,), quant_tiles=(),
                reg_routes=(None,), block_hs=(), ceiling=False, chain=1,
-               kinds=("bf16", "fp8")) -> list[dict]:
+               kinds=("bf16", "fp8"), pdls=(None,)) -> list[dict]:
     t, h, e, k = CONFIGS[name]
     n = t * k
     ids = torch.rand(t, e, device="cuda").argsort(dim=1)[:, :k]
@@ -105,14 +106,14 @@ def run_config(name: str, copy_bw: float, block_ts, warps, tokens=(1,), quant_ti
     rows = []
     for dname in kinds:
         rows += run_rows(name, dname, mask, copy_bw, block_ts, warps, tokens, reg_routes,
-                         block_hs, ceiling, chain)
+                         block_hs, ceiling, chain, pdls)
     if quant_tiles:
-        rows += quantize_cases(name, mask, n, copy_bw, quant_tiles, warps, reg_routes)
+        rows += quantize_cases(name, mask, n, copy_bw, quant_tiles, warps, reg_routes, pdls)
     return rows
 
 
 def run_rows(name, dname, mask, copy_bw, block_ts, warps, tokens, reg_routes, block_hs,
-             ceiling, chain) -> list[dict]:
+             ceiling, chain, pdls=(None,)) -> list[dict]:
     """One config's cases for bf16 rows or FP8 rows (the fp8 bits as uint8 and the fp32
     blockwise scale row as side rows)."""
     t, h, e, k = CONFIGS[name]
@@ -139,13 +140,14 @@ def run_rows(name, dname, mask, copy_bw, block_ts, warps, tokens, reg_routes, bl
         for nw in warps:
             for tp in tokens:
                 for rr in reg_routes:
-                    for bh in block_hs or (None,):
+                    for bh, pdl in itertools.product(block_hs or (None,), pdls):
                         til = MapTiling(bt, default.num_warps, default.prefetch)
-                        cases[f"fused bt={bt} warps={nw} tokens={tp} reg={rr} bh={bh}"] = (
-                            lambda x, side, til=til, nw=nw, tp=tp, rr=rr, bh=bh:
+                        case = f"fused bt={bt} warps={nw} tokens={tp} reg={rr} bh={bh}"
+                        cases[case + f" pdl={pdl}"] = (
+                            lambda x, side, til=til, nw=nw, tp=tp, rr=rr, bh=bh, pdl=pdl:
                             permute_mask_triton(x, mask, n, 1, side=side, tiling=til,
                                                 num_warps=nw, tokens=tp, reg_routes=rr,
-                                                block_h=bh))
+                                                block_h=bh, pdl=pdl))
     if ceiling:
         out = x.new_empty(n, h)
         seq = torch.arange(n, device="cuda").view(t, k)
@@ -177,7 +179,8 @@ def map_then_quantize(xb, mask, n, args):
     return quantize_permute_triton(xb, rid, None, n, *args, fill)
 
 
-def quantize_cases(name, mask, n, copy_bw, tiles, warps, reg_routes) -> list[dict]:
+def quantize_cases(name, mask, n, copy_bw, tiles, warps, reg_routes,
+                   pdls=(None,)) -> list[dict]:
     """The fused blockwise quantize-permute of a mask: the map built first, then the
     map-reading kernel, against the kernel that builds the map rows itself, per row tile
     (elements a program) x warps. Bytes: bf16 rows in, fp8 rows and fp32 scales out."""
@@ -188,10 +191,11 @@ def quantize_cases(name, mask, n, copy_bw, tiles, warps, reg_routes) -> list[dic
     cases = {"quantize: map then fused": lambda: map_then_quantize(xb, mask, n, args)}
     for tile in tiles:
         for nw in warps:
-            for rr in reg_routes:
-                cases[f"quantize: mask fused tile={tile} warps={nw} reg={rr}"] = (
-                    lambda tile=tile, nw=nw, rr=rr: quantize_permute_mask_triton(
-                        xb, mask, n, 1, None, *args, tile=tile, num_warps=nw, reg_routes=rr))
+            for rr, pdl in itertools.product(reg_routes, pdls):
+                cases[f"quantize: mask fused tile={tile} warps={nw} reg={rr} pdl={pdl}"] = (
+                    lambda tile=tile, nw=nw, rr=rr, pdl=pdl: quantize_permute_mask_triton(
+                        xb, mask, n, 1, None, *args, tile=tile, num_warps=nw, reg_routes=rr,
+                        pdl=pdl))
     rows = []
     for case, fn in cases.items():
         ms = graph_median_ms(fn)
@@ -221,6 +225,8 @@ def main() -> None:
                    help="also a same-bytes copy and the K-copies kernels (no map)")
     p.add_argument("--chain", default="1", help="comma list: calls per graph (distinct inputs)")
     p.add_argument("--rows", default="bf16,fp8", help="row kinds: bf16, fp8 (+ fp32 scales)")
+    p.add_argument("--pdl", default="auto", help="comma list of auto/0/1: the scan and the "
+                   "fused kernel as programmatic dependent launches (auto: Hopper or newer)")
     a = p.parse_args()
     if not torch.cuda.is_available():
         print("sweep_permute_mask: CUDA not available")
@@ -236,7 +242,8 @@ def main() -> None:
                                [None if v == "auto" else bool(int(v))
                                 for v in a.reg_routes.split(",")],
                                [int(v) for v in a.block_h.split(",") if v], a.ceiling, chain,
-                               a.rows.split(","))
+                               a.rows.split(","), [None if v == "auto" else bool(int(v))
+                                                   for v in a.pdl.split(",")])
         write_json(a.out, {"bench": "sweep_permute_mask", "env": env_info(),
                            "copy_GB/s": round(copy_bw, 1), "results": rows})
 

@@ -11,4 +11,9 @@ case "${1:-1}" in
   timeout 90 python3 benchmarks/sweep_sort_chunks.py --fp8 --steps 4 --configs qwen3next,dsv3 --out "$OUT/sweep_words.json" > "$OUT/sweep_words.log" 2>&1; grep "% of copy\|Error" "$OUT/sweep_words.log"
   timeout 120 python3 benchmarks/profile_small.py --cprofile 40 --out "$OUT/small.json" > "$OUT/small.log" 2>&1; tail -80 "$OUT/small.log"
   ;;
+2)
+  timeout 200 python3 -m pytest tests/ops/test_permute_mask.py tests/ops/test_cuda_graph.py tests/ops/test_streams.py tests/ops/test_quantize_permute.py -m "not compile" -k "pdl or counts_scan or graph or stream or mask" -q -p no:cacheprovider -rfE --tb=short 2>&1 | tee "$OUT/tests.log" | tail -8
+  timeout 170 python3 benchmarks/sweep_permute_mask.py --configs dsv3,qwen3,qwen3next,mixtral,gptoss --block-t 16 --warps 4 --pdl 0,1 --rows fp8,bf16 --quant-tiles 4096 --out "$OUT/sweep_pdl.json" > "$OUT/sweep_pdl.log" 2>&1; grep "%\|Error" "$OUT/sweep_pdl.log" | tail -80
+  timeout 150 python3 benchmarks/bench_permute.py --configs dsv3,qwen3,qwen3next,mixtral,gptoss,small --ops "permute(mask),permute_with_probs,fp8 blockwise128: permute(mask),fp8 mxfp8: permute(mask),fp8 pertensor: permute(mask),fused blockwise128: quantize+permute" --out "$OUT/bench_pdl.json" > "$OUT/bench_pdl.log" 2>&1; grep " ms \|Error" "$OUT/bench_pdl.log" | tail -60
+  ;;
 esac

@@ -17,7 +17,14 @@ import torch
 from qmoe._intmath import cdiv, next_pow2
 from qmoe._library import define
 from qmoe.ops.backend import assert_options, scatter_tile, tail_programs
-from qmoe.ops.row_id_map import MapTiling, block_counts, map_tiling, mask_operand, small_mask
+from qmoe.ops.row_id_map import (
+    MapTiling,
+    block_counts,
+    map_tiling,
+    mask_operand,
+    pdl_default,
+    small_mask,
+)
 
 ops = torch.ops.qmoe
 
@@ -69,6 +76,7 @@ def permute_mask_triton(
     tokens: int | None = None,
     reg_routes: bool | None = None,
     block_h: int | None = None,
+    pdl: bool | None = None,
     out: torch.Tensor | None = None,
 ):
     """``(out [N, H], permuted_probs [N] or empty, side_out [N, NS] or empty, row_id_map
@@ -77,8 +85,10 @@ def permute_mask_triton(
     SMALL form on or off; ``tiling`` overrides ``fused_map_tiling`` (its block and warps
     set the count pass), ``num_warps`` the fused kernel's ``FUSED_WARPS``, ``tokens`` its
     tokens per program (default 1; must divide the count block), ``block_h`` its
-    columns a program (default ``scatter_tile``'s; benchmarks); ``out``
-    (tests: poisoned) receives the rows. No host sync."""
+    columns a program (default ``scatter_tile``'s; benchmarks); ``pdl`` whether the
+    scan and the fused kernel launch as programmatic dependents (default ``pdl_default``:
+    Hopper or newer; never in the one-launch form); ``out`` (tests: poisoned) receives
+    the rows. No host sync."""
     from qmoe.ops._kernels.permute_mask import permute_mask_kernel
 
     t, h = x.shape
@@ -105,7 +115,8 @@ def permute_mask_triton(
     bh = block_h or bh
     nw = num_warps or FUSED_WARPS
     small = one_launch if one_launch is not None else small_mask(m)
-    before, total = (None, None) if small else block_counts(m, bt, map_warps)
+    pdl = not small and (pdl_default(x) if pdl is None else pdl)
+    before, total = (None, None) if small else block_counts(m, bt, map_warps, pdl)
     ranges = e if align_size > 1 else 0
     z = tail_programs(n)
     has_p, has_s = probs is not None, side is not None
@@ -119,7 +130,7 @@ def permute_mask_triton(
         HAS_P=has_p, HAS_SIDE=has_s, SMALL=small, BLOCK_T=bt, BLOCK_E=be,
         CHUNK_T=count_chunk(t, be, nw), KB=kb, BLOCK_H=bh,
         BLOCK_S=next_pow2(max(ns, 1)), TOKENS=tokens,
-        REG_ROUTES=reg_routes_flag(be, reg_routes), num_warps=nw,
+        REG_ROUTES=reg_routes_flag(be, reg_routes), PDL=pdl, launch_pdl=pdl, num_warps=nw,
         **assert_options(),  # assert_probs_not_nan
     )
     return out, pp, so, rid

@@ -116,16 +116,17 @@ def quantize_permute_triton(x, rid, probs, n, block_size, fp8_dtype, scale_mode,
 
 def quantize_permute_mask_triton(x, mask, n, align_size, probs, block_size, fp8_dtype,
                                  scale_mode, scale, *, one_launch=None, tiling=None, tile=None,
-                                 kb=4, num_warps=4, reg_routes=None, poison=False):
+                                 kb=4, num_warps=4, reg_routes=None, pdl=None, poison=False):
     """``(q, scale, permuted_probs, row_id_map)`` of ``x [T, H]`` by ``mask [T, E]`` with
     the map built in the fused launch (CUDA, or CPU under TRITON_INTERPRET=1): as
-    ``make_row_id_map`` then ``quantize_permute_triton``, bit for bit. ``one_launch`` and
-    ``tiling`` as in ``permute_mask_triton``; the rest as in ``quantize_permute_triton``.
+    ``make_row_id_map`` then ``quantize_permute_triton``, bit for bit. ``one_launch``,
+    ``tiling`` and ``pdl`` as in ``permute_mask_triton``; the rest as in
+    ``quantize_permute_triton``.
     No host sync."""
     from qmoe.ops._kernels.quantize_permute import quantize_permute_mask_kernel
     from qmoe.ops.backend import tail_programs
     from qmoe.ops.permute_mask import count_chunk, fused_map_tiling, reg_routes_flag
-    from qmoe.ops.row_id_map import block_counts, mask_operand, small_mask
+    from qmoe.ops.row_id_map import block_counts, mask_operand, pdl_default, small_mask
 
     t, h = x.shape
     e = mask.shape[1]
@@ -141,7 +142,8 @@ def quantize_permute_mask_triton(x, mask, n, align_size, probs, block_size, fp8_
         x = x.contiguous()
     bt, map_warps, _ = tiling or fused_map_tiling(t, e)
     small = one_launch if one_launch is not None else small_mask(m)
-    before, total = (None, None) if small else block_counts(m, bt, map_warps)
+    pdl = not small and (pdl_default(x) if pdl is None else pdl)
+    before, total = (None, None) if small else block_counts(m, bt, map_warps, pdl)
     ranges = e if align_size > 1 else 0
     z = tail_programs(n)
     has_p = probs is not None
@@ -154,8 +156,8 @@ def quantize_permute_mask_triton(x, mask, n, align_size, probs, block_size, fp8_
         max(align_size, 1), z, x.stride(0), m.stride(0), probs.stride(0) if has_p else None,
         HAS_P=has_p, SMALL=small, BLOCK_T=bt, BLOCK_E=be,
         CHUNK_T=count_chunk(t, be, num_warps), KB=kb,
-        REG_ROUTES=reg_routes_flag(be, reg_routes), num_warps=num_warps,
-        **assert_options(), **consts,  # assert_probs_not_nan
+        REG_ROUTES=reg_routes_flag(be, reg_routes), PDL=pdl, launch_pdl=pdl,
+        num_warps=num_warps, **assert_options(), **consts,  # assert_probs_not_nan
     )
     return q.view(fp8_dtype), s_out, pp, rid
 

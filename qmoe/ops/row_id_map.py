@@ -145,10 +145,20 @@ def small_mask(m: torch.Tensor) -> bool:
     return m.shape[0] * next_pow2(m.shape[1]) * m.element_size() <= SMALL_MAP_BYTES
 
 
-def block_counts(m: torch.Tensor, block_t: int, num_warps: int):
+def pdl_default(x: torch.Tensor) -> bool:
+    """Whether the fused mask kernels on ``x``'s device launch as programmatic dependents
+    of the scan (``block_counts(..., pdl=True)``): CUDA devices of compute capability 9
+    (Hopper) or newer; never under the interpreter."""
+    return x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
+
+
+def block_counts(m: torch.Tensor, block_t: int, num_warps: int, pdl: bool = False):
     """``(before [cdiv(T, block_t), E], total [E])`` int32 of a mask from
     ``mask_operand`` in two launches: each block's tokens per expert, then their exclusive
-    prefix over the blocks (tokens of earlier blocks) and each expert's total."""
+    prefix over the blocks (tokens of earlier blocks) and each expert's total. ``pdl``
+    (Hopper): the scan launches as a programmatic dependent of the count pass and lets the
+    next launch (a fused kernel with ``launch_pdl=True``, which must ``gdc_wait`` before
+    reading these) start early; the count pass itself launches in stream order."""
     from qmoe.ops._kernels.row_id_map import block_scan_kernel, mask_block_counts_kernel
 
     t, e = m.shape
@@ -157,10 +167,11 @@ def block_counts(m: torch.Tensor, block_t: int, num_warps: int):
     before = m.new_empty((nblk, e), dtype=torch.int32)
     total = m.new_empty((e,), dtype=torch.int32)
     mask_block_counts_kernel[(nblk,)](m, before, t, e, m.stride(0), BLOCK_T=block_t,
-                                      BLOCK_E=be, num_warps=num_warps)
+                                      BLOCK_E=be, PDL=pdl, num_warps=num_warps)
     cols = min(be, max(1, next_pow2(cdiv(e, 128))))  # ~128 programs
     chunk = max(1, min(next_pow2(nblk), 4096 // cols))
-    block_scan_kernel[(cdiv(e, cols),)](before, total, nblk, e, CHUNK_B=chunk, COLS=cols)
+    block_scan_kernel[(cdiv(e, cols),)](before, total, nblk, e, CHUNK_B=chunk, COLS=cols,
+                                        PDL=pdl, launch_pdl=pdl)
     return before, total
 
 

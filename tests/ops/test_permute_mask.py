@@ -81,6 +81,38 @@ def test_kernel_fp8_bits_and_no_experts(kdevice):
     assert not out.any() and rid.shape == (t, 1) and not rid.any()
 
 
+@pytest.mark.parametrize("pdl", [False, True], ids=["stream_order", "pdl"])
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "cuda_graph"])
+def test_kernel_programmatic_dependent_launch(pdl, graph):
+    """Hopper: with the scan and the fused kernel launched as programmatic dependents (the
+    fused programs load their rows while the scan runs, then wait for it), rows, side rows
+    and map equal the reference, eagerly and replayed from a CUDA graph; the mask is large
+    enough for many count blocks and waves of fused programs."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs a CUDA device of capability >= 9")
+    t, h, e, k = 4096, 384, 256, 8
+    _, mask = routing(t, e, k, "random", "cuda")
+    x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+    side = torch.randn(t, 3, device="cuda")
+    n = t * k - 5  # a few dropped routes
+    run = lambda: permute_mask_triton(x, mask, n, 1, None, side, one_launch=False, pdl=pdl)
+    if graph:
+        run()  # compile outside the capture
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            got = run()
+        mask.copy_(routing(t, e, k, "random", "cuda")[1])  # new routing, same buffers
+        x.normal_()
+        g.replay()
+        torch.cuda.synchronize()
+    else:
+        got = run()
+    want = _want(x, mask, n, 1, None, side)
+    for i in (0, 2, 3):
+        assert_same_bits(got[i].cpu(), want[i])
+
+
 @pytest.mark.parametrize("name", ["pertensor-e4m3", "blockwise-e5m2", "mx-e4m3"])
 def test_quantized_inp_passes_intact(name):
     """The passthrough rule moves the fp8 bits and the block-scale rows in one call."""

@@ -3,11 +3,12 @@
 The interpreter (``TRITON_INTERPRET=1``) checks what the kernels compute but never runs
 Triton's compiler, so a kernel can pass every CPU test and still fail to compile on the
 GPU (a branch whose two sides give a variable different types, a constexpr misuse) or
-take its GPU-only paths (``HW_CAST``: hardware fp8 conversions) for the first time there.
+take its GPU-only paths (``HW_CAST``: hardware fp8 conversions; ``PDL``: the grid
+dependency waits of programmatic dependent launch) for the first time there.
 This test drives the real launchers on small CPU tensors in a child process without the
 interpreter, with ``JITFunction.run`` replaced by a recorder: each launch's argument
-types, 16-divisibility and constexprs (``HW_CAST`` set as on CUDA) are captured, and each
-distinct one is compiled to sm_90 PTX and cubin with the ``ptxas`` that ships with Triton.
+types, 16-divisibility and constexprs (``HW_CAST`` and ``PDL`` set as on an H200) are
+captured, and each distinct one is compiled to sm_90 PTX and cubin with the ``ptxas`` that ships with Triton.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def _spec(fn, args, kwargs):
     for i, name in enumerate(names):
         v = bound[name]
         if i in fn.constexprs or v is None:  # None arguments are constants, as in Triton
-            consts[(i,)] = True if name == "HW_CAST" else v
+            consts[(i,)] = True if name in ("HW_CAST", "PDL") else v
             sig[name] = "constexpr"
         elif isinstance(v, torch.Tensor):
             sig[name] = "*" + _DTYPES[v.dtype]

@@ -11,12 +11,15 @@ when SMALL) and the rows of t's own block before it, so every program builds the
 of its TOKENS tokens (a running count per expert from one to the next), stores them, and
 moves each data row to the rows it holds in registers (no read back of the stored row).
 The map rows' scans overlap the other programs' copies, and the data rows are loaded
-first, so their reads are in flight during them. The programs after the token programs
-zero the rows no route writes.
+first, so their reads are in flight during them. With PDL (Hopper's programmatic dependent
+launch) the kernel launches while the scan still runs: the programs load their data rows,
+then wait for the scan's end (``gdc_wait``) before reading the counts. The programs after
+the token programs zero the rows no route writes.
 """
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from qmoe.ops._kernels.permute import _scatter_token, _tail_share, store_routes, zero_rows
 from qmoe.ops._kernels.row_id_map import count_mask, expert_starts, mask_row, write_map_row
@@ -56,6 +59,7 @@ def permute_mask_kernel(
     BLOCK_S: tl.constexpr,
     TOKENS: tl.constexpr,  # tokens per program (divides BLOCK_T unless SMALL)
     REG_ROUTES: tl.constexpr,  # scatter to the rows held in registers (else: read back)
+    PDL: tl.constexpr,  # launched as a programmatic dependent of the scan (not SMALL)
 ):
     """Grid ``(cdiv(T, TOKENS) + R - 1 + Z, cdiv(H, BLOCK_H))`` with R = E + 1 ranges of
     unwritten rows when A > 1 (each expert's padding, then the tail), else R = 1 (the
@@ -72,6 +76,8 @@ def permute_mask_kernel(
             t = (t0 + i).to(tl.int64)
             width = tl.where(t < T, H, 0)  # past T: nothing to load
             xs = xs + (tl.load(inp_ptr + t * stride_in + cols, mask=cols < width),)
+        if PDL:  # the scan's counts are read from here on
+            gdc_wait()
         run = next_rows(t0, mask_ptr, before_ptr, total_ptr, T, E, A, stride_m, SMALL, BLOCK_T,
                         BLOCK_E, CHUNK_T)
         for i in tl.static_range(TOKENS):
@@ -92,6 +98,8 @@ def permute_mask_kernel(
                                BLOCK_H, BLOCK_S)
             run += mi
     else:
+        if PDL:
+            gdc_wait()
         lo, hi = unwritten_range(pid - progs, mask_ptr, total_ptr, T, N, E, A, Z, stride_m,
                                  SMALL, BLOCK_E, CHUNK_T)
         sc = tl.arange(0, BLOCK_S)

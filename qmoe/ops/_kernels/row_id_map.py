@@ -28,6 +28,7 @@ of sorting); larger ones are built with torch sorts (``row_id_map.py``).
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -47,7 +48,10 @@ def mask_block_counts_kernel(
     stride_t,
     BLOCK_T: tl.constexpr,  # tokens per block (a row of counts)
     BLOCK_E: tl.constexpr,
+    PDL: tl.constexpr,  # let the scan launch now (it waits for this grid's end itself)
 ):
+    if PDL:
+        gdc_launch_dependents()
     blk = tl.program_id(0)
     cols = tl.arange(0, BLOCK_E)
     acc = tl.zeros((BLOCK_E,), dtype=tl.int32)
@@ -64,7 +68,11 @@ def block_scan_kernel(
     E,
     CHUNK_B: tl.constexpr,  # blocks per step
     COLS: tl.constexpr,  # experts per program
+    PDL: tl.constexpr,  # launched as a programmatic dependent of the count pass
 ):
+    if PDL:
+        gdc_launch_dependents()  # the fused kernel may launch and load its rows now
+        gdc_wait()  # the count pass has ended and its counts are visible
     cols = tl.program_id(0) * COLS + tl.arange(0, COLS)
     cmask = cols < E
     run = tl.zeros((COLS,), dtype=tl.int32)
