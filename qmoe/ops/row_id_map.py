@@ -147,9 +147,11 @@ def small_mask(m: torch.Tensor) -> bool:
 
 def pdl_default(x: torch.Tensor) -> bool:
     """Whether the fused mask kernels on ``x``'s device launch as programmatic dependents
-    of the scan (``block_counts(..., pdl=True)``): CUDA devices of compute capability 9
-    (Hopper) or newer; never under the interpreter."""
-    return x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
+    of the scan (``block_counts(..., pdl=True)``): NVIDIA devices of compute capability 9
+    (Hopper) or newer; never on ROCm (which reports other capabilities through the same
+    call) or under the interpreter."""
+    return (x.is_cuda and torch.version.hip is None
+            and torch.cuda.get_device_capability(x.device)[0] >= 9)
 
 
 def block_counts(m: torch.Tensor, block_t: int, num_warps: int, pdl: bool = False):
