@@ -183,12 +183,14 @@ def _mask_rows_triton(
     align_size: int,
     tiling: MapTiling | None = None,
     one_launch: bool | None = None,
+    pdl: bool | None = None,
 ):
     """``(row_id_map, fill)`` from Triton launches over the mask (CUDA, or the
     interpreter): three (counts, scan, map), or one for masks of at most
     ``SMALL_MAP_BYTES`` (``one_launch`` forces either). ``tiling`` overrides
     ``map_tiling`` (tests shrink it to reach many blocks with small inputs; the sweep
-    tries others)."""
+    tries others). ``pdl``: the scan and the map pass as programmatic dependent launches
+    (default ``pdl_default``)."""
     from qmoe.ops._kernels.row_id_map import mask_row_id_map_kernel, mask_row_id_map_small_kernel
 
     t, e = routing_map.shape
@@ -213,10 +215,11 @@ def _mask_rows_triton(
             CHUNK_T=chunk, PREFETCH=min(pf, bt), num_warps=max(4, nw),
         )
         return rid, fill
-    counts, total = block_counts(m, bt, nw)
+    pdl = pdl_default(m) if pdl is None else pdl
+    counts, total = block_counts(m, bt, nw, pdl)
     mask_row_id_map_kernel[(nblk,)](
         m, counts, total, rid, fill, t, e, num_out_tokens, a, m.stride(0),
-        BLOCK_T=bt, BLOCK_E=be, PREFETCH=min(pf, bt), num_warps=nw,
+        BLOCK_T=bt, BLOCK_E=be, PREFETCH=min(pf, bt), PDL=pdl, launch_pdl=pdl, num_warps=nw,
     )
     return rid, fill
 

@@ -101,7 +101,10 @@ def mask_row_id_map_kernel(
     BLOCK_T: tl.constexpr,  # tokens per block, as in mask_block_counts_kernel
     BLOCK_E: tl.constexpr,
     PREFETCH: tl.constexpr,  # rows loaded ahead of the one being worked on (1..BLOCK_T)
+    PDL: tl.constexpr,  # launched as a programmatic dependent of the scan
 ):
+    if PDL:
+        gdc_wait()  # the scan has ended and its counts are visible
     blk = tl.program_id(0)
     cols = tl.arange(0, BLOCK_E)
     cmask = cols < E
