@@ -51,7 +51,7 @@ def kernel_breakdown(fn, iters: int = 20) -> dict[str, float]:
 
 
 def run_config(name: str, breakdown: bool = True, block_ts=(8, 16, 32),
-               aheads=(2, 32), warps_spec: str = "auto") -> dict:
+               aheads=(2, 32), warps_spec: str = "auto", pdls=(None,)) -> dict:
     t, h, e, k = CONFIGS[name]
     n = t * k
     dev = "cuda"
@@ -70,10 +70,11 @@ def run_config(name: str, breakdown: bool = True, block_ts=(8, 16, 32),
     # tokens per block x warps x rows loaded ahead (2, or the whole block)
     tilings = dict.fromkeys(MapTiling(bt, nw, min(ahead, bt))
                             for bt, nw, ahead in itertools.product(block_ts, warps, aheads))
-    for tiling in tilings:
-        ms = graph_median_ms(lambda tiling=tiling: _mask_rows_triton(mask, n, 1, tiling), rep=60)
-        out["map"].append({**tiling._asdict(), "ms": round(ms, 4)})
-        print(f"{name} map {tiling}: {ms:.4f} ms", file=sys.stderr)
+    for tiling, pdl in itertools.product(tilings, pdls):
+        ms = graph_median_ms(lambda tiling=tiling, pdl=pdl: _mask_rows_triton(
+            mask, n, 1, tiling, pdl=pdl), rep=60)
+        out["map"].append({**tiling._asdict(), "pdl": pdl, "ms": round(ms, 4)})
+        print(f"{name} map {tiling} pdl={pdl}: {ms:.4f} ms", file=sys.stderr)
     out["best_map"] = min(out["map"], key=lambda r: r["ms"])
     out["default_map"] = {**map_tiling(t, e)._asdict()}
     _, rid = qmoe.moe_permute(x, mask, n)
@@ -101,6 +102,8 @@ def main() -> None:
     p.add_argument("--warps", default="auto",
                    help="'auto' (half, map_tiling's, twice) or a list of ints, 'default' "
                         "(map_tiling's) and 'row' (one expert a thread: next_pow2(E) / 32)")
+    p.add_argument("--pdl", default="auto", help="comma list of auto/0/1: the scan and the "
+                   "map pass as programmatic dependent launches (auto: Hopper or newer)")
     a = p.parse_args()
     if not torch.cuda.is_available():
         print("sweep_map: needs CUDA, skipped")
@@ -110,7 +113,8 @@ def main() -> None:
         rows.append(run_config(c, not a.no_breakdown,
                                [int(v) for v in a.block_t.split(",")],
                                [int(v) for v in a.prefetch.split(",")],
-                               a.warps))
+                               a.warps, [None if v == "auto" else bool(int(v))
+                                         for v in a.pdl.split(",")]))
         write_json(a.out, {"bench": "sweep_map", "env": env_info(), "results": rows})
 
 

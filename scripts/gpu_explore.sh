@@ -16,4 +16,8 @@ case "${1:-1}" in
   timeout 170 python3 benchmarks/sweep_permute_mask.py --configs dsv3,qwen3,qwen3next,mixtral,gptoss --block-t 16 --warps 4 --pdl 0,1 --rows fp8,bf16 --quant-tiles 4096 --out "$OUT/sweep_pdl.json" > "$OUT/sweep_pdl.log" 2>&1; grep "%\|Error" "$OUT/sweep_pdl.log" | tail -80
   timeout 150 python3 benchmarks/bench_permute.py --configs dsv3,qwen3,qwen3next,mixtral,gptoss,small --ops "permute(mask),permute_with_probs,fp8 blockwise128: permute(mask),fp8 mxfp8: permute(mask),fp8 pertensor: permute(mask),fused blockwise128: quantize+permute" --out "$OUT/bench_pdl.json" > "$OUT/bench_pdl.log" 2>&1; grep " ms \|Error" "$OUT/bench_pdl.log" | tail -60
   ;;
+3)
+  timeout 150 python3 benchmarks/sweep_map.py --no-breakdown --configs dsv3,qwen3,qwen3next,mixtral,gptoss --block-t 16 --prefetch 2 --warps default --pdl 0,1 --out "$OUT/sweep_map.json" > "$OUT/sweep_map.log" 2>&1; grep "map\|Error" "$OUT/sweep_map.log" | tail -20
+  timeout 330 python3 -m pytest tests/ops/test_quantize_permute.py tests/ops/test_fp8.py tests/ops/test_autograd.py tests/ops/test_kernels.py -m "not compile" -k "map or mask or pdl" -q -p no:cacheprovider -rfE --tb=short 2>&1 | tee "$OUT/tests.log" | tail -8
+  ;;
 esac
