@@ -183,14 +183,17 @@ def _mask_rows_triton(
     align_size: int,
     tiling: MapTiling | None = None,
     one_launch: bool | None = None,
-    pdl: bool | None = None,
+    pdl: bool = False,
 ):
     """``(row_id_map, fill)`` from Triton launches over the mask (CUDA, or the
     interpreter): three (counts, scan, map), or one for masks of at most
     ``SMALL_MAP_BYTES`` (``one_launch`` forces either). ``tiling`` overrides
     ``map_tiling`` (tests shrink it to reach many blocks with small inputs; the sweep
-    tries others). ``pdl``: the scan and the map pass as programmatic dependent launches
-    (default ``pdl_default``)."""
+    tries others). ``pdl`` (Hopper; off by default): the scan and the map pass as
+    programmatic dependent launches. ``sweep_map.py --pdl 0,1`` (docs/benchmarks.md,
+    session 10): 0.5-1.9 us faster at dsv3, qwen3next and mixtral, but twice as slow at
+    qwen3 and gptoss (0.022 -> 0.038, 0.018 -> 0.034 ms; one-warp map programs). Unlike
+    the fused kernels, the map pass has no loads to issue before its wait."""
     from qmoe.ops._kernels.row_id_map import mask_row_id_map_kernel, mask_row_id_map_small_kernel
 
     t, e = routing_map.shape
@@ -215,7 +218,6 @@ def _mask_rows_triton(
             CHUNK_T=chunk, PREFETCH=min(pf, bt), num_warps=max(4, nw),
         )
         return rid, fill
-    pdl = pdl_default(m) if pdl is None else pdl
     counts, total = block_counts(m, bt, nw, pdl)
     mask_row_id_map_kernel[(nblk,)](
         m, counts, total, rid, fill, t, e, num_out_tokens, a, m.stride(0),
