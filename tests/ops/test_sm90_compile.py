@@ -8,7 +8,8 @@ dependency waits of programmatic dependent launch) for the first time there.
 This test drives the real launchers on small CPU tensors in a child process without the
 interpreter, with ``JITFunction.run`` replaced by a recorder: each launch's argument
 types, 16-divisibility and constexprs (``HW_CAST`` and ``PDL`` set as on an H200) are
-captured, and each distinct one is compiled to sm_90 PTX and cubin with the ``ptxas`` that ships with Triton.
+captured, and each distinct one is compiled to sm_90 PTX and cubin with the ``ptxas``
+that ships with Triton.
 """
 
 from __future__ import annotations
