@@ -38,7 +38,10 @@ CONFIGS = {  # name: (T, H, E, K)
     "qwen3next": (16384, 2048, 512, 10),
     "small": (256, 4096, 64, 8),
     "tiny": (64, 256, 8, 2),  # CPU smoke run only
+    # sweeps only: a mask just past the one-launch size (the three-launch form at small T)
+    "mid": (1024, 4096, 64, 8),
 }
+SWEEP_ONLY = ("tiny", "mid")
 FP8_RECIPES = {
     "blockwise128": qmoe.Blockwise(),
     "mxfp8": qmoe.MXFP8(),
@@ -187,7 +190,7 @@ def run_config(name: str, copy_bw: float, dev: str = "cuda", ops: str = "",
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=None)
-    p.add_argument("--configs", default=",".join(c for c in CONFIGS if c != "tiny"))
+    p.add_argument("--configs", default=",".join(c for c in CONFIGS if c not in SWEEP_ONLY))
     p.add_argument("--ops", default="",
                    help="comma-separated substrings: time only the cases whose name holds one")
     p.add_argument("--cpu-smoke", action="store_true", help="run the 'tiny' config on CPU")

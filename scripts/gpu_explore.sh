@@ -20,4 +20,8 @@ case "${1:-1}" in
   timeout 150 python3 benchmarks/sweep_map.py --no-breakdown --configs dsv3,qwen3,qwen3next,mixtral,gptoss --block-t 16 --prefetch 2 --warps default --pdl 0,1 --out "$OUT/sweep_map.json" > "$OUT/sweep_map.log" 2>&1; grep "map\|Error" "$OUT/sweep_map.log" | tail -20
   timeout 330 python3 -m pytest tests/ops/test_quantize_permute.py tests/ops/test_fp8.py tests/ops/test_autograd.py tests/ops/test_kernels.py -m "not compile" -k "map or mask or pdl" -q -p no:cacheprovider -rfE --tb=short 2>&1 | tee "$OUT/tests.log" | tail -8
   ;;
+4)
+  timeout 80 python3 benchmarks/sweep_permute_mask.py --configs mid,small --block-t 16 --warps 4 --pdl 0,1 --rows fp8,bf16 --out "$OUT/sweep_mid.json" > "$OUT/sweep_mid.log" 2>&1; grep "%\|Error" "$OUT/sweep_mid.log" | tail -30
+  timeout 420 python3 -m pytest tests/ops/test_compile_ops.py tests/ops/test_compile_fp8.py -q -p no:cacheprovider -rfE --tb=short --durations=10 2>&1 | tee "$OUT/tests.log" | tail -20
+  ;;
 esac
