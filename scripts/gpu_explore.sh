@@ -24,4 +24,8 @@ case "${1:-1}" in
   timeout 80 python3 benchmarks/sweep_permute_mask.py --configs mid,small --block-t 16 --warps 4 --pdl 0,1 --rows fp8,bf16 --out "$OUT/sweep_mid.json" > "$OUT/sweep_mid.log" 2>&1; grep "%\|Error" "$OUT/sweep_mid.log" | tail -30
   timeout 420 python3 -m pytest tests/ops/test_compile_ops.py tests/ops/test_compile_fp8.py -q -p no:cacheprovider -rfE --tb=short --durations=10 2>&1 | tee "$OUT/tests.log" | tail -20
   ;;
+5)
+  timeout 150 python3 -m pytest tests/ops/test_permute_mask.py tests/ops/test_cuda_graph.py -m "not compile" -k "pdl or counts_scan or graph" -q -p no:cacheprovider -rfE --tb=short 2>&1 | tee "$OUT/tests.log" | tail -4
+  timeout 90 python3 benchmarks/sweep_permute_mask.py --configs dsv3,gptoss --block-t 16 --warps 4 --pdl 0,1 --rows fp8 --out "$OUT/sweep_pdl2.json" > "$OUT/sweep_pdl2.log" 2>&1; grep "%\|Error" "$OUT/sweep_pdl2.log" | tail -12
+  ;;
 esac

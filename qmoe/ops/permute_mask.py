@@ -23,6 +23,7 @@ from qmoe.ops.row_id_map import (
     map_tiling,
     mask_operand,
     pdl_default,
+    pdl_options,
     small_mask,
 )
 
@@ -130,8 +131,8 @@ def permute_mask_triton(
         HAS_P=has_p, HAS_SIDE=has_s, SMALL=small, BLOCK_T=bt, BLOCK_E=be,
         CHUNK_T=count_chunk(t, be, nw), KB=kb, BLOCK_H=bh,
         BLOCK_S=next_pow2(max(ns, 1)), TOKENS=tokens,
-        REG_ROUTES=reg_routes_flag(be, reg_routes), PDL=pdl, launch_pdl=pdl, num_warps=nw,
-        **assert_options(),  # assert_probs_not_nan
+        REG_ROUTES=reg_routes_flag(be, reg_routes), PDL=pdl, num_warps=nw,
+        **pdl_options(pdl), **assert_options(),  # assert_probs_not_nan
     )
     return out, pp, so, rid
 

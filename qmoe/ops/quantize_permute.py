@@ -126,7 +126,13 @@ def quantize_permute_mask_triton(x, mask, n, align_size, probs, block_size, fp8_
     from qmoe.ops._kernels.quantize_permute import quantize_permute_mask_kernel
     from qmoe.ops.backend import tail_programs
     from qmoe.ops.permute_mask import count_chunk, fused_map_tiling, reg_routes_flag
-    from qmoe.ops.row_id_map import block_counts, mask_operand, pdl_default, small_mask
+    from qmoe.ops.row_id_map import (
+        block_counts,
+        mask_operand,
+        pdl_default,
+        pdl_options,
+        small_mask,
+    )
 
     t, h = x.shape
     e = mask.shape[1]
@@ -156,8 +162,8 @@ def quantize_permute_mask_triton(x, mask, n, align_size, probs, block_size, fp8_
         max(align_size, 1), z, x.stride(0), m.stride(0), probs.stride(0) if has_p else None,
         HAS_P=has_p, SMALL=small, BLOCK_T=bt, BLOCK_E=be,
         CHUNK_T=count_chunk(t, be, num_warps), KB=kb,
-        REG_ROUTES=reg_routes_flag(be, reg_routes), PDL=pdl, launch_pdl=pdl,
-        num_warps=num_warps, **assert_options(), **consts,  # assert_probs_not_nan
+        REG_ROUTES=reg_routes_flag(be, reg_routes), PDL=pdl, num_warps=num_warps,
+        **pdl_options(pdl), **assert_options(), **consts,  # assert_probs_not_nan
     )
     return q.view(fp8_dtype), s_out, pp, rid
 

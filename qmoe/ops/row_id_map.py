@@ -148,10 +148,26 @@ def small_mask(m: torch.Tensor) -> bool:
 def pdl_default(x: torch.Tensor) -> bool:
     """Whether the fused mask kernels on ``x``'s device launch as programmatic dependents
     of the scan (``block_counts(..., pdl=True)``): NVIDIA devices of compute capability 9
-    (Hopper) or newer; never on ROCm (which reports other capabilities through the same
-    call) or under the interpreter."""
-    return (x.is_cuda and torch.version.hip is None
+    (Hopper) or newer, with a Triton that has grid dependency control (``gdc_wait``, Triton
+    >= 3.4) and a CUDA of at least 12.3 (programmatic edges in captured CUDA graphs); never
+    on ROCm (which reports other capabilities through the same call) or under the
+    interpreter."""
+    if not x.is_cuda or torch.version.hip is not None or torch.version.cuda is None:
+        return False
+    if tuple(int(v) for v in torch.version.cuda.split(".")[:2]) < (12, 3):
+        return False
+    import triton.language as tl
+
+    cuda = getattr(tl.extra, "cuda", None)
+    return (hasattr(cuda, "gdc_wait") and hasattr(cuda, "gdc_launch_dependents")
             and torch.cuda.get_device_capability(x.device)[0] >= 9)
+
+
+def pdl_options(pdl: bool) -> dict[str, bool]:
+    """Launch options of a kernel launched as a programmatic dependent when ``pdl``: only
+    then is ``launch_pdl`` passed (Tritons before 3.4 do not know the option). A new dict
+    each call."""
+    return {"launch_pdl": True} if pdl else {}
 
 
 def block_counts(m: torch.Tensor, block_t: int, num_warps: int, pdl: bool = False):
@@ -173,7 +189,7 @@ def block_counts(m: torch.Tensor, block_t: int, num_warps: int, pdl: bool = Fals
     cols = min(be, max(1, next_pow2(cdiv(e, 128))))  # ~128 programs
     chunk = max(1, min(next_pow2(nblk), 4096 // cols))
     block_scan_kernel[(cdiv(e, cols),)](before, total, nblk, e, CHUNK_B=chunk, COLS=cols,
-                                        PDL=pdl, launch_pdl=pdl)
+                                        PDL=pdl, **pdl_options(pdl))
     return before, total
 
 
@@ -221,7 +237,8 @@ def _mask_rows_triton(
     counts, total = block_counts(m, bt, nw, pdl)
     mask_row_id_map_kernel[(nblk,)](
         m, counts, total, rid, fill, t, e, num_out_tokens, a, m.stride(0),
-        BLOCK_T=bt, BLOCK_E=be, PREFETCH=min(pf, bt), PDL=pdl, launch_pdl=pdl, num_warps=nw,
+        BLOCK_T=bt, BLOCK_E=be, PREFETCH=min(pf, bt), PDL=pdl, num_warps=nw,
+        **pdl_options(pdl),
     )
     return rid, fill
 

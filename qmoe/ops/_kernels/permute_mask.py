@@ -19,7 +19,6 @@ the token programs zero the rows no route writes.
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
 from qmoe.ops._kernels.permute import _scatter_token, _tail_share, store_routes, zero_rows
 from qmoe.ops._kernels.row_id_map import count_mask, expert_starts, mask_row, write_map_row
@@ -77,7 +76,7 @@ def permute_mask_kernel(
             width = tl.where(t < T, H, 0)  # past T: nothing to load
             xs = xs + (tl.load(inp_ptr + t * stride_in + cols, mask=cols < width),)
         if PDL:  # the scan's counts are read from here on
-            gdc_wait()
+            tl.extra.cuda.gdc_wait()
         run = next_rows(t0, mask_ptr, before_ptr, total_ptr, T, E, A, stride_m, SMALL, BLOCK_T,
                         BLOCK_E, CHUNK_T)
         for i in tl.static_range(TOKENS):
@@ -99,7 +98,7 @@ def permute_mask_kernel(
             run += mi
     else:
         if PDL:
-            gdc_wait()
+            tl.extra.cuda.gdc_wait()
         lo, hi = unwritten_range(pid - progs, mask_ptr, total_ptr, T, N, E, A, Z, stride_m,
                                  SMALL, BLOCK_E, CHUNK_T)
         sc = tl.arange(0, BLOCK_S)

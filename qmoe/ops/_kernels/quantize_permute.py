@@ -17,7 +17,6 @@ experts' totals.
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
 from qmoe.ops._kernels.permute import assert_probs_not_nan, zero_fill_rows, zero_rows
 from qmoe.ops._kernels.permute_mask import map_token, next_rows, routes_at, unwritten_range
@@ -184,7 +183,7 @@ def quantize_permute_mask_kernel(
         x = tl.load(x_ptr + t * stride_x + cols[None, :, :], mask=(cols < H)[None, :, :],
                     other=0.0)  # in flight during the map row's work
         if PDL:  # the scan's counts are read from here on
-            gdc_wait()
+            tl.extra.cuda.gdc_wait()
         run = next_rows(pid, mask_ptr, before_ptr, total_ptr, T, E, A, stride_m, SMALL,
                         BLOCK_T, BLOCK_E, CHUNK_T)
         keep, slot, n, _ = map_token(pid, run, mask_ptr, map_ptr, T, N, E, stride_m, BLOCK_E)
@@ -204,7 +203,7 @@ def quantize_permute_mask_kernel(
                 BS, GROUPS)
     else:
         if PDL:
-            gdc_wait()
+            tl.extra.cuda.gdc_wait()
         lo, hi = unwritten_range(pid - T, mask_ptr, total_ptr, T, N, E, A, Z, stride_m, SMALL,
                                  BLOCK_E, CHUNK_T)
         zero_rows(lo, hi, N, q_ptr, H, cols, cols < H, s_ptr, NB, blocks, blocks < NB, pp_ptr,

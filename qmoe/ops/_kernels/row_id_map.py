@@ -28,7 +28,6 @@ of sorting); larger ones are built with torch sorts (``row_id_map.py``).
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -51,7 +50,7 @@ def mask_block_counts_kernel(
     PDL: tl.constexpr,  # let the scan launch now (it waits for this grid's end itself)
 ):
     if PDL:
-        gdc_launch_dependents()
+        tl.extra.cuda.gdc_launch_dependents()
     blk = tl.program_id(0)
     cols = tl.arange(0, BLOCK_E)
     acc = tl.zeros((BLOCK_E,), dtype=tl.int32)
@@ -71,8 +70,8 @@ def block_scan_kernel(
     PDL: tl.constexpr,  # launched as a programmatic dependent of the count pass
 ):
     if PDL:
-        gdc_launch_dependents()  # the fused kernel may launch and load its rows now
-        gdc_wait()  # the count pass has ended and its counts are visible
+        tl.extra.cuda.gdc_launch_dependents()  # the fused kernel may launch, load its rows
+        tl.extra.cuda.gdc_wait()  # the count pass has ended and its counts are visible
     cols = tl.program_id(0) * COLS + tl.arange(0, COLS)
     cmask = cols < E
     run = tl.zeros((COLS,), dtype=tl.int32)
@@ -104,7 +103,7 @@ def mask_row_id_map_kernel(
     PDL: tl.constexpr,  # launched as a programmatic dependent of the scan
 ):
     if PDL:
-        gdc_wait()  # the scan has ended and its counts are visible
+        tl.extra.cuda.gdc_wait()  # the scan has ended and its counts are visible
     blk = tl.program_id(0)
     cols = tl.arange(0, BLOCK_E)
     cmask = cols < E
