@@ -59,8 +59,8 @@ def run_config(name: str, dev: str) -> list[dict]:
         rows.append({"config": name, "T": t, "H": h, "E": e, "K": k, "recipe": rname,
                      "eager_ms": round(eager, 4), "compiled_ms": round(comp, 4),
                      "first_compiled_call_s": round(compile_s, 1)})
-        print(f"{name:>9} {rname:>13}: eager {eager:8.4f} ms, compiled {comp:8.4f} ms "
-              f"(first call {compile_s:.1f} s), outputs equal", file=sys.stderr)
+        print(f"{name:>9} {rname:>13}: eager {eager:8.4f} ms  compiled {comp:8.4f} ms "
+              f" (first call {compile_s:.1f} s; outputs equal)", file=sys.stderr)
     return rows
 
 

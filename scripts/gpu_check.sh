@@ -28,8 +28,8 @@ eval "set -- ${QMOE_TESTS:-tests} ${QMOE_PYTEST_ARGS:-}"
 python3 -m pytest "$@" -q -p no:cacheprovider -rfE --tb=short --durations=25 ${K:+-k "$K"} 2>&1 | tee "$OUT/tests.log" | grep -E "^(FAILED|ERROR)|passed|failed" | tail -40
 echo "pytest rc=${PIPESTATUS[0]}" | tee -a "$OUT/tests.log"
 # QMOE_BENCHES="permute quantize sweep_permute" picks scripts (bench_<name>.py or <name>.py;
-# default: bench_permute and bench_quantize)
-for b in $(for n in ${QMOE_BENCHES:-permute quantize}; do
+# default: bench_permute, bench_quantize and bench_compile_fp8)
+for b in $(for n in ${QMOE_BENCHES:-permute quantize compile_fp8}; do
              [ -f benchmarks/$n.py ] && echo benchmarks/$n.py || echo benchmarks/bench_$n.py; done); do
   [ -f "$b" ] || continue
   n=$(basename "$b" .py)
