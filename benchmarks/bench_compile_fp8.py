@@ -7,7 +7,8 @@ recipe's quantized type), then ``moe_unpermute`` of those rows with merging prob
 merge dequantizes inside its kernel, high-precision result). The same function runs eagerly
 and compiled with ``fullgraph=True``; both are timed per call (``median_ms``: on the GPU,
 events around each call, so host time shows where it dominates) and the compiled outputs are
-checked bit-identical to eager. Also the first compiled call's wall time (the compile).
+checked bit-identical to eager. Also the first compiled call's wall time (the compile,
+unless Inductor's on-disk cache already holds the graph).
 On CPU (no CUDA) it runs the ``tiny`` config as a smoke test.
 """
 
