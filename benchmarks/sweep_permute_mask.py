@@ -34,6 +34,7 @@ from bench_permute import CONFIGS  # noqa: E402
 from common import copy_bandwidth_gbs, env_info, graph_median_ms, write_json  # noqa: E402
 
 from qmoe.ops.backend import permute_rows, scatter_tile  # noqa: E402
+from qmoe.ops.permute_index import permute_index_triton  # noqa: E402
 from qmoe.ops.permute_mask import fused_map_tiling, permute_mask_triton  # noqa: E402
 from qmoe.ops.quantize_permute import (  # noqa: E402
     quantize_permute_mask_triton,
@@ -98,7 +99,7 @@ def two_step(x, mask, n, side=None, side_out=None):
 
 def run_config(name: str, copy_bw: float, block_ts, warps, tokens=(1,), quant_tiles=(),
                reg_routes=(None,), block_hs=(), ceiling=False, chain=1,
-               kinds=("bf16", "fp8"), pdls=(None,)) -> list[dict]:
+               kinds=("bf16", "fp8"), pdls=(None,), index=False) -> list[dict]:
     t, h, e, k = CONFIGS[name]
     n = t * k
     ids = torch.rand(t, e, device="cuda").argsort(dim=1)[:, :k]
@@ -106,16 +107,18 @@ def run_config(name: str, copy_bw: float, block_ts, warps, tokens=(1,), quant_ti
     rows = []
     for dname in kinds:
         rows += run_rows(name, dname, mask, copy_bw, block_ts, warps, tokens, reg_routes,
-                         block_hs, ceiling, chain, pdls)
+                         block_hs, ceiling, chain, pdls, ids if index else None)
     if quant_tiles:
         rows += quantize_cases(name, mask, n, copy_bw, quant_tiles, warps, reg_routes, pdls)
     return rows
 
 
 def run_rows(name, dname, mask, copy_bw, block_ts, warps, tokens, reg_routes, block_hs,
-             ceiling, chain, pdls=(None,)) -> list[dict]:
+             ceiling, chain, pdls=(None,), ids=None) -> list[dict]:
     """One config's cases for bf16 rows or FP8 rows (the fp8 bits as uint8 and the fp32
-    blockwise scale row as side rows)."""
+    blockwise scale row as side rows). With ``ids`` (the same routing as an index map),
+    also the index-map permute: the sorting map then the scatter (the ops' path) against
+    ``permute_index_triton``; their bytes count the ids and the ``[T, 2K+1]`` map."""
     t, h, e, k = CONFIGS[name]
     n = t * k
     default = fused_map_tiling(t, e)
@@ -160,14 +163,28 @@ def run_rows(name, dname, mask, copy_bw, block_ts, warps, tokens, reg_routes, bl
             lambda x, side: broadcast(x, seq, out, side, so))
         cases["ceiling: K copies, random rows"] = (
             lambda x, side: broadcast(x, rnd, out, side, so))
+    case_bytes = {}
+    if ids is not None:
+        ibytes = (t + n) * row + ids.numel() * ids.element_size() + t * (2 * k + 1) * 4
+        cases["index: sorting map + scatter"] = lambda x, side: index_two_step(
+            x, ids, n, side, so)
+        for pdl in pdls:
+            cases[f"index: fused pdl={pdl}"] = (
+                lambda x, side, pdl=pdl: permute_index_triton(x, ids, n, e, side=side, pdl=pdl))
+        case_bytes = {c: ibytes for c in cases if c.startswith("index:")}
     for case, fn in cases.items():
         ms = graph_median_ms(chained(fn, inputs)) / chain
-        pct = 100 * nbytes / (ms * 1e-3) / 1e9 / copy_bw
+        pct = 100 * case_bytes.get(case, nbytes) / (ms * 1e-3) / 1e9 / copy_bw
         rows.append({"config": name, "rows": dname, "case": case, "chain": chain,
                      "graph_ms": round(ms, 4), "pct_copy_bw": round(pct, 1)})
         print(f"{name:>9} {dname} {case:>24} chain={chain}: {ms:8.4f} ms {pct:5.1f}%",
               file=sys.stderr)
     return rows
+
+
+def index_two_step(x, ids, n, side=None, side_out=None):
+    rid, fill = make_row_id_map(ids, n, True, 1)
+    return permute_rows(x, rid, n, fill=fill, side=side, side_out=side_out)
 
 
 def rid_bytes(mask) -> int:
@@ -225,6 +242,8 @@ def main() -> None:
                    help="also a same-bytes copy and the K-copies kernels (no map)")
     p.add_argument("--chain", default="1", help="comma list: calls per graph (distinct inputs)")
     p.add_argument("--rows", default="bf16,fp8", help="row kinds: bf16, fp8 (+ fp32 scales)")
+    p.add_argument("--index", action="store_true", help="also the index-map permute: "
+                   "sorting map + scatter against permute_index_triton")
     p.add_argument("--pdl", default="auto", help="comma list of auto/0/1: the scan and the "
                    "fused kernel as programmatic dependent launches (auto: Hopper or newer)")
     a = p.parse_args()
@@ -243,7 +262,7 @@ def main() -> None:
                                 for v in a.reg_routes.split(",")],
                                [int(v) for v in a.block_h.split(",") if v], a.ceiling, chain,
                                a.rows.split(","), [None if v == "auto" else bool(int(v))
-                                                   for v in a.pdl.split(",")])
+                                                   for v in a.pdl.split(",")], a.index)
         write_json(a.out, {"bench": "sweep_permute_mask", "env": env_info(),
                            "copy_GB/s": round(copy_bw, 1), "results": rows})
 

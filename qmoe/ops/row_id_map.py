@@ -177,7 +177,7 @@ def block_counts(m: torch.Tensor, block_t: int, num_warps: int, pdl: bool = Fals
     (Hopper): the scan launches as a programmatic dependent of the count pass and lets the
     next launch (a fused kernel with ``launch_pdl=True``, which must ``gdc_wait`` before
     reading these) start early; the count pass itself launches in stream order."""
-    from qmoe.ops._kernels.row_id_map import block_scan_kernel, mask_block_counts_kernel
+    from qmoe.ops._kernels.row_id_map import mask_block_counts_kernel
 
     t, e = m.shape
     be = next_pow2(e)
@@ -186,11 +186,37 @@ def block_counts(m: torch.Tensor, block_t: int, num_warps: int, pdl: bool = Fals
     total = m.new_empty((e,), dtype=torch.int32)
     mask_block_counts_kernel[(nblk,)](m, before, t, e, m.stride(0), BLOCK_T=block_t,
                                       BLOCK_E=be, PDL=pdl, num_warps=num_warps)
-    cols = min(be, max(1, next_pow2(cdiv(e, 128))))  # ~128 programs
+    _scan_block_counts(before, total, pdl)
+    return before, total
+
+
+def index_block_counts(ids: torch.Tensor, e: int, block_t: int, num_warps: int,
+                       pdl: bool = False):
+    """``block_counts`` of an index map ``ids [T, K]`` (ids in ``[-1, e)``, unit column
+    stride): routes per expert of each block, then their scan and each expert's total."""
+    from qmoe.ops._kernels.row_id_map import index_block_counts_kernel
+
+    t, k = ids.shape
+    nblk = cdiv(t, block_t)
+    before = ids.new_empty((nblk, e), dtype=torch.int32)
+    total = ids.new_empty((e,), dtype=torch.int32)
+    index_block_counts_kernel[(nblk,)](ids, before, t, k, e, ids.stride(0), BLOCK_T=block_t,
+                                       BLOCK_K=next_pow2(k), BLOCK_E=next_pow2(e), PDL=pdl,
+                                       num_warps=num_warps)
+    _scan_block_counts(before, total, pdl)
+    return before, total
+
+
+def _scan_block_counts(before: torch.Tensor, total: torch.Tensor, pdl: bool) -> None:
+    """The scan launch of ``block_counts``: ``before [NBLK, E]`` in place to the counts of
+    earlier blocks, ``total [E]`` the sums."""
+    from qmoe.ops._kernels.row_id_map import block_scan_kernel
+
+    nblk, e = before.shape
+    cols = min(next_pow2(e), max(1, next_pow2(cdiv(e, 128))))  # ~128 programs
     chunk = max(1, min(next_pow2(nblk), 4096 // cols))
     block_scan_kernel[(cdiv(e, cols),)](before, total, nblk, e, CHUNK_B=chunk, COLS=cols,
                                         PDL=pdl, **pdl_options(pdl))
-    return before, total
 
 
 def _mask_rows_triton(

@@ -111,6 +111,10 @@ def _launches():
             permute_mask_triton(x.view(torch.uint8), mask, n, align, probs, side,
                                 one_launch=one)
     permute_mask_triton(x.view(torch.uint8), mask, n, 1, tokens=4)
+    from qmoe.ops.permute_index import permute_index_triton
+
+    permute_index_triton(x, ids, n, e, probs[:, :k], side)
+    permute_index_triton(x.view(torch.uint8), ids.to(torch.int32), n, e)
     y = torch.randn(n, h, dtype=torch.bfloat16)
     for w in (None, probs):
         B.unpermute_rows(y, rid, w, use_triton=True)

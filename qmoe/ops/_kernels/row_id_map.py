@@ -60,6 +60,47 @@ def mask_block_counts_kernel(
 
 
 @triton.jit
+def index_row(ids_ptr, t, T, K, stride_t, lanes):
+    """Token t's expert ids as int32 over ``lanes`` (``[BLOCK_K]``): ``-1`` past K or
+    when t >= T (and wherever the map says not routed)."""
+    width = tl.where(t < T, K, 0)
+    ids = tl.load(ids_ptr + t.to(tl.int64) * stride_t + lanes, mask=lanes < width, other=-1)
+    return ids.to(tl.int32)
+
+
+@triton.jit
+def id_counts(ids, cols):
+    """``[BLOCK_E]`` int32: how many of ``ids`` (``[BLOCK_K]``) name each expert in
+    ``cols`` (negative ids name none)."""
+    return tl.sum((ids[:, None] == cols[None, :]).to(tl.int32), axis=0)
+
+
+@triton.jit
+def index_block_counts_kernel(
+    ids_ptr,  # (T, K) int8/16/32/64 expert ids in [-1, E), row stride stride_t
+    counts_ptr,  # (NBLK, E) int32 out
+    T,
+    K,
+    E,
+    stride_t,
+    BLOCK_T: tl.constexpr,  # tokens per block (a row of counts)
+    BLOCK_K: tl.constexpr,  # next_pow2(K)
+    BLOCK_E: tl.constexpr,
+    PDL: tl.constexpr,  # let the scan launch now (it waits for this grid's end itself)
+):
+    """``mask_block_counts_kernel`` for an index map: each block's routes per expert."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    blk = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_E)
+    lanes = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    for i in tl.static_range(BLOCK_T):
+        acc += id_counts(index_row(ids_ptr, blk * BLOCK_T + i, T, K, stride_t, lanes), cols)
+    tl.store(counts_ptr + blk.to(tl.int64) * E + cols, acc, mask=cols < E)
+
+
+@triton.jit
 def block_scan_kernel(
     counts_ptr,  # (NBLK, E) int32 in: block counts; out: counts of earlier blocks
     total_ptr,  # (E,) int32 out: tokens per expert

@@ -1,0 +1,110 @@
+"""Triton code of the index-map permute that builds its map rows in the scatter launch
+(launcher: ``qmoe/ops/permute_index.py``), the index-map counterpart of
+``permute_mask_kernel``.
+
+Glossary: T tokens, K slots per token, E experts (known: ``num_experts``), H hidden, N
+output rows, NS side-row columns (block scales), BLOCK_T tokens per block of the count pass
+(one row of per-expert counts), BLOCK_K = next_pow2(K), BLOCK_E = next_pow2(E), Z programs
+sharing the tail of unwritten rows.
+
+The row of route (t, k) is its rank in (expert, token, slot) order among routed entries,
+as the sorting path ``row_id_map._index_rows`` defines it: ``start[e]`` (routes of lower
+experts) + the routes to e of earlier tokens (the scanned block counts of
+``index_block_counts_kernel`` + ``block_scan_kernel``, then the earlier tokens of t's own
+block) + the earlier slots of t naming e. So, as in the mask kernel, every token program
+builds its own map row and moves its data row to the rows it holds in registers. With PDL
+the programs load their data rows before waiting for the scan (``gdc_wait``).
+"""
+
+import triton
+import triton.language as tl
+
+from qmoe.ops._kernels.permute import _tail_share, store_routes, zero_rows
+from qmoe.ops._kernels.permute_mask import routes_at
+from qmoe.ops._kernels.row_id_map import id_counts, index_row, write_map_row
+
+
+@triton.jit
+def permute_index_kernel(
+    inp_ptr,  # (T, H) any dtype, row stride stride_in
+    out_ptr,  # (N, H) same dtype, contiguous
+    ids_ptr,  # (T, K) int8/16/32/64 expert ids in [-1, E), -1 = not routed, row stride stride_i
+    before_ptr,  # (cdiv(T, BLOCK_T), E) int32: routes of earlier blocks per expert
+    total_ptr,  # (E,) int32: routes per expert
+    map_ptr,  # (T, 2K+1) int32 out: the row_id_map
+    p_ptr,  # (T, K) float probs, row stride stride_p (read only if HAS_P)
+    pp_ptr,  # (N,) probs dtype out: the permuted probs (written only if HAS_P)
+    side_ptr,  # (T, NS) side rows moved with the data, row stride stride_side (if HAS_SIDE)
+    side_out_ptr,  # (N, NS) side rows out, contiguous (written only if HAS_SIDE)
+    T,
+    N,
+    H,
+    K,
+    E,
+    NS,
+    Z,
+    stride_in,
+    stride_i,
+    stride_p,
+    stride_side,
+    HAS_P: tl.constexpr,
+    HAS_SIDE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    KB: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    PDL: tl.constexpr,  # launched as a programmatic dependent of the scan
+):
+    """Grid ``(T + Z, cdiv(H, BLOCK_H))``: program t < T maps token t and moves its row
+    (column-block 0 writes the map row); the last Z programs zero the rows past the routed
+    count."""
+    pid = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = cols < H
+    if pid < T:
+        t = pid.to(tl.int64)
+        x = tl.load(inp_ptr + t * stride_in + cols, mask=hmask)  # in flight during the map
+        if PDL:  # the scan's counts are read from here on
+            tl.extra.cuda.gdc_wait()
+        ce = tl.arange(0, BLOCK_E)
+        lanes = tl.arange(0, BLOCK_K)
+        emask = ce < E
+        total = tl.load(total_ptr + ce, mask=emask, other=0)
+        blk = pid // BLOCK_T
+        run = tl.cumsum(total, axis=0) - total  # each expert's first row
+        run += tl.load(before_ptr + blk.to(tl.int64) * E + ce, mask=emask, other=0)
+        for i in tl.static_range(BLOCK_T - 1):  # the block's tokens before t
+            tt = blk * BLOCK_T + i
+            run += id_counts(index_row(ids_ptr, tt, tl.where(tt < pid, T, 0), K, stride_i,
+                                       lanes), ce)
+        ids = index_row(ids_ptr, pid, T, K, stride_i, lanes)
+        valid = (ids >= 0) & (ids < E)
+        same = (ids[None, :] == ids[:, None]) & valid[None, :]  # (k, k')
+        earlier = lanes[None, :] < lanes[:, None]  # k' < k
+        dup = tl.sum((same & earlier).to(tl.int32), axis=1)  # earlier slots naming ids[k]
+        hit = ce[None, :] == ids[:, None]  # (k, expert)
+        rows = tl.sum(tl.where(hit, run[None, :], 0), axis=1) + dup
+        keep = valid & (rows < N)
+        before_k = keep[None, :] & (rows[None, :] < rows[:, None])  # kept routes before k
+        slot = tl.sum(before_k.to(tl.int32), axis=1)  # position among the kept, row order
+        n = tl.sum(keep.to(tl.int32), axis=0)
+        if tl.program_id(1) == 0:
+            write_map_row(map_ptr + t * (2 * K + 1), K, lanes, lanes < K, slot, rows, lanes,
+                          keep, n, tl.full((BLOCK_K,), -1, dtype=tl.int32))
+        for s0 in range(0, n, KB):
+            d, c, smask = routes_at(keep, slot, rows, s0, n, BLOCK_K, KB)
+            store_routes(t, x, d, c, smask, out_ptr, None, None, p_ptr, pp_ptr, side_ptr,
+                         side_out_ptr, NS, H, cols, hmask, 0, stride_p, stride_side, False,
+                         HAS_P, HAS_SIDE, False, KB, BLOCK_H, BLOCK_S)
+    else:
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        ce = tl.arange(0, BLOCK_E)
+        routed = tl.sum(tl.load(total_ptr + ce, mask=ce < E, other=0), axis=0)
+        lo, hi = _tail_share(tl.minimum(routed, N), N, pid - T, Z)
+        sc = tl.arange(0, BLOCK_S)
+        first = tl.program_id(1) == 0
+        zero_rows(lo, hi, N, out_ptr, H, cols, hmask, side_out_ptr, NS, sc,
+                  sc < tl.where(first, NS, 0), pp_ptr, first, HAS_SIDE, HAS_P)

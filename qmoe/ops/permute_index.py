@@ -1,0 +1,86 @@
+"""The index-map permute that builds its row_id_map in the scatter launch (built, not yet
+taken by the public ops).
+
+Glossary: T tokens, K slots per token, E experts, H hidden, N output rows, NS side-row
+columns.
+
+Today an index map on CUDA is built by ``make_row_id_map`` with torch sorts (tens of
+launches) unless it is small, then moved by the scatter kernel. ``permute_index_triton``
+does what ``permute_mask_triton`` does for masks: per-block route counts, their scan, then
+one kernel (``_kernels/permute_index.py``) whose token programs build their own map rows
+and move their data rows. It needs E (``num_experts``): the counts are per expert. Its map
+and rows equal ``make_row_id_map(ids, N, True, 1)`` then ``permute``, bit for bit (tests).
+Not yet timed on the GPU, so the ops keep the sorting path; ``benchmarks/
+sweep_permute_mask.py --index`` times both.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qmoe._intmath import cdiv, next_pow2
+from qmoe.ops.backend import assert_options, scatter_tile, tail_programs
+from qmoe.ops.row_id_map import index_block_counts, map_tiling, pdl_default, pdl_options
+
+
+def permute_index_triton(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    n: int,
+    num_experts: int,
+    probs: torch.Tensor | None = None,
+    side: torch.Tensor | None = None,
+    *,
+    block_t: int = 16,
+    num_warps: int = 4,
+    pdl: bool | None = None,
+    out: torch.Tensor | None = None,
+):
+    """``(out [N, H], permuted_probs [N] or empty, side_out [N, NS] or empty, row_id_map
+    [T, 2K+1] int32)`` of ``x [T, H]`` by the index map ``ids [T, K]`` (expert ids in
+    ``[-1, num_experts)``, ``-1`` not routed; ids outside that range are treated as not
+    routed: check them first), with ``probs [T, K]`` and side rows ``[T, NS]`` moved alike
+    (CUDA, or CPU under the interpreter). ``block_t`` tokens per count block (each token
+    program also counts the ids of its block's earlier tokens), ``num_warps`` of the fused
+    kernel, ``pdl`` as in ``permute_mask_triton`` (default ``pdl_default``), ``out``
+    (tests: poisoned) receives the rows. Three launches, no host sync."""
+    from qmoe.ops._kernels.permute_index import permute_index_kernel
+
+    t, h = x.shape
+    k = ids.shape[1]
+    e = num_experts
+    if e < 1:
+        raise ValueError(f"permute_index_triton: num_experts must be >= 1, got {e}")
+    rid = ids.new_empty((t, 2 * k + 1), dtype=torch.int32)
+    if out is None:
+        out = x.new_empty((n, h))
+    pp = probs.new_empty((n,)) if probs is not None else x.new_empty(0)
+    ns = side.shape[1] if side is not None else 0
+    so = side.new_empty((n, ns)) if side is not None else x.new_empty(0)
+    if t == 0 or k == 0:  # no routes: every row is zero, every map row empty
+        for buf in (out, pp, so):
+            buf.zero_()
+        rid.fill_(-1)[:, -1] = 0
+        return out, pp, so, rid
+    if ids.stride(1) != 1:
+        ids = ids.contiguous()
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if side is not None and side.stride(1) != 1:
+        side = side.contiguous()
+    if probs is not None and probs.stride(1) != 1:
+        probs = probs.contiguous()  # the kernel reads probs[t, k] at unit column stride
+    pdl = pdl_default(x) if pdl is None else pdl
+    before, total = index_block_counts(ids, e, block_t, map_tiling(t, e).num_warps, pdl)
+    bh, _, kb = scatter_tile(h, x.element_size(), False)
+    z = tail_programs(n)
+    has_p, has_s = probs is not None, side is not None
+    permute_index_kernel[(t + z, cdiv(max(h, 1), bh))](
+        x, out, ids, before, total, rid, probs, pp if has_p else None, side,
+        so if has_s else None, t, n, h, k, e, ns, z, x.stride(0), ids.stride(0),
+        probs.stride(0) if has_p else None, side.stride(0) if has_s else None,
+        HAS_P=has_p, HAS_SIDE=has_s, BLOCK_T=block_t, BLOCK_K=next_pow2(k),
+        BLOCK_E=next_pow2(e), KB=kb, BLOCK_H=bh, BLOCK_S=next_pow2(max(ns, 1)), PDL=pdl,
+        num_warps=num_warps, **pdl_options(pdl), **assert_options(),  # assert_probs_not_nan
+    )
+    return out, pp, so, rid

@@ -1,0 +1,103 @@
+"""``permute_index_triton``: the index-map permute that builds its map rows in the scatter
+launch (not yet taken by the public ops).
+
+Its kernels (CUDA, or CPU under TRITON_INTERPRET=1) against ``make_row_id_map(ids, N,
+True, 1)`` (the sorting path) then the torch permute, bit for bit, into poisoned outputs.
+"""
+
+import pytest
+import torch
+
+from qmoe.ops import backend as B
+from qmoe.ops.permute_index import permute_index_triton
+from qmoe.ops.row_id_map import make_row_id_map
+from tests.ops.helpers import routing
+from tests.tensors.helpers import assert_same_bits
+
+CASES = [  # (T, H, E, K, kind)
+    (1, 1, 4, 2, "random"), (63, 17, 7, 3, "sentinels"), (64, 300, 8, 8, "random"),
+    (40, 64, 256, 8, "no_route_tokens"), (20, 33, 16, 1, "one_expert"),
+    (30, 16, 8, 2, "empty_experts"), (70, 8, 1024, 4, "random"), (5, 8, 1, 1, "random"),
+]
+
+
+def _want(x, ids, n, probs, side):
+    rid, _ = make_row_id_map(ids.cpu(), n, True, 1)
+    pp = torch.empty(n, dtype=probs.dtype) if probs is not None else None
+    so = torch.empty(n, side.shape[1], dtype=side.dtype) if side is not None else None
+    out = B.permute_rows(x.cpu(), rid, n, probs=None if probs is None else probs.cpu(),
+                         probs_out=pp, side=None if side is None else side.cpu(), side_out=so,
+                         use_triton=False)
+    return out, pp, so, rid
+
+
+@pytest.mark.parametrize("t,h,e,k,kind", CASES)
+def test_kernel_matches_sorting_path(kdevice, t, h, e, k, kind):
+    """Rows, map, probs and side rows equal the sorting path with N at, below and above
+    the routed count, over several count blocks (blocks of 16, 4 and 1 tokens), int64 and
+    int32 ids, strided inputs."""
+    ids, _ = routing(t, e, k, kind, kdevice)
+    routed = int((ids >= 0).sum())
+    x = torch.randn(t, h + 3, device=kdevice)[:, :h]  # a row stride past H
+    probs = torch.rand(t, k, device=kdevice)
+    side = torch.randn(t, 5, device=kdevice)
+    inputs = ((ids, None, None, 16), (ids.to(torch.int32), probs, side, 4),
+              (ids, probs, side.view(torch.uint8)[:, :7], 1))
+    for (i_, p, sd, bt), n in zip(inputs, (routed, routed // 2, routed + 70)):
+        out = torch.full((n, h), float("nan"), device=kdevice)
+        got = permute_index_triton(x, i_, n, e, p, sd, block_t=bt, out=out)
+        for g, w in zip(got, _want(x, ids, n, p, sd)):
+            if w is not None:
+                assert_same_bits(g.cpu(), w)
+
+
+def test_kernel_repeated_experts_in_a_token(kdevice):
+    """Two slots of a token naming one expert get consecutive rows in slot order, as the
+    sorting path's stable sort gives them."""
+    ids = torch.tensor([[2, 2, 0], [1, -1, 2], [2, 0, 2]], device=kdevice)
+    x = torch.randn(3, 6, device=kdevice)
+    probs = torch.rand(3, 3, device=kdevice)
+    n = int((ids >= 0).sum())
+    got = permute_index_triton(x, ids, n, 3, probs, block_t=2)
+    for g, w in zip(got, _want(x, ids, n, probs, None)):
+        if w is not None:
+            assert_same_bits(g.cpu(), w)
+
+
+def test_kernel_fp8_bits_and_no_routes(kdevice):
+    t, h, e = 33, 48, 8
+    ids, _ = routing(t, e, 3, "sentinels", kdevice)
+    bits = torch.randint(0, 256, (t, h), dtype=torch.uint8, device=kdevice)
+    got = permute_index_triton(bits, ids, 80, e)
+    want = _want(bits, ids, 80, None, None)
+    assert_same_bits(got[0].cpu(), want[0])
+    assert torch.equal(got[3].cpu(), want[3])
+    # no slots: every row zero, every map row empty
+    out, pp, so, rid = permute_index_triton(bits, ids[:, :0], 5, e)
+    assert not out.any() and rid.shape == (t, 1) and not rid.any()
+    with pytest.raises(ValueError, match="num_experts"):
+        permute_index_triton(bits, ids, 80, 0)
+
+
+@pytest.mark.parametrize("pdl", [False, True], ids=["stream_order", "pdl"])
+def test_kernel_programmatic_dependent_launch(pdl):
+    """Hopper: the scan and the fused kernel as programmatic dependents, at a size with
+    many count blocks and waves of programs, replayed from a CUDA graph on new ids."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs a CUDA device of capability >= 9")
+    t, h, e, k = 4096, 384, 256, 8
+    ids = routing(t, e, k, "sentinels", "cuda")[0]
+    x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+    n = t * k - 5
+    run = lambda: permute_index_triton(x, ids, n, e, pdl=pdl)
+    run()  # compile outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        got = run()
+    ids.copy_(routing(t, e, k, "sentinels", "cuda")[0])
+    g.replay()
+    torch.cuda.synchronize()
+    want = _want(x, ids, n, None, None)
+    assert_same_bits(got[0].cpu(), want[0])
+    assert torch.equal(got[3].cpu(), want[3])
