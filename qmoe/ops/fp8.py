@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from qmoe._library import define
+from qmoe.ops import permute_index as _permute_index  # noqa: F401  (qmoe::permute_index)
 from qmoe.ops import permute_mask as _permute_mask  # noqa: F401  (defines qmoe::permute_mask)
 from qmoe.ops import sort_chunks as _sort_chunks  # noqa: F401  (defines qmoe::sort_chunks_rows)
 from qmoe.ops.backend import (
@@ -92,17 +93,19 @@ def _permute_q(func, args, kwargs):
         q, lambda t, with_probs: func(t, rid, probs if with_probs else None, n, fill))
 
 
+@register_passthrough(ops.permute_index.default)
 @register_passthrough(ops.permute_mask.default)
 def _permute_mask_q(func, args, kwargs):
-    """The fused mask permute of quantized rows: the fp8 bits move as rows, block-scale rows
-    as its side rows (one pass); a per-tensor scale carries over."""
-    q, mask, probs, side, n, align = args
+    """The fused mask (or index) permute of quantized rows: the fp8 bits move as rows,
+    block-scale rows as its side rows (one pass); a per-tensor scale carries over. Both ops
+    take ``(inp, routing_map, probs, side, num_out_tokens, <int>)``."""
+    q, rmap, probs, side, n, last = args
     if side is not None:
-        raise TypeError("qmoe::permute_mask: side rows come from the quantized inp's scales; "
+        raise TypeError(f"{func.name()}: side rows come from the quantized inp's scales; "
                         "pass side=None with a quantized inp")
     blocks = q.block_size is not None
-    bits, pp, s_out, rid = func(_bits(q), mask, probs, q.raw_scale if blocks else None, n,
-                                align)
+    bits, pp, s_out, rid = func(_bits(q), rmap, probs, q.raw_scale if blocks else None, n,
+                                last)
     empty = torch.empty(0, dtype=q.dtype, device=q.device)  # no side rows out (as for plain)
     return q._rewrap(bits.view(q.fp8_dtype), s_out if blocks else q.raw_scale), pp, empty, rid
 

@@ -131,6 +131,13 @@ def _out_rows(fn, inp, routing_map, map_type, num_out_tokens, num_experts, align
     return n
 
 
+#: Whether CUDA index maps with ``num_experts`` given take ``qmoe::permute_index`` (the map
+#: built in the scatter launch, as for masks) instead of the sorting ``make_row_id_map``
+#: then the scatter. Off until timed on the H200 (``sweep_permute_mask.py --index``): the
+#: op and its kernels are tested (interpreter, bit-exact, opcheck, autograd, FP8).
+INDEX_MAP_IN_SCATTER = False
+
+
 def _map_in_scatter(inp, map_type: str) -> bool:
     """Whether the mask map is built inside the scatter launch (``qmoe::permute_mask``,
     CUDA) rather than by ``make_row_id_map`` before it."""
@@ -151,6 +158,11 @@ def _permute(fn, inp, probs, routing_map, map_type, num_out_tokens, num_experts,
     if _map_in_scatter(inp, map_type):
         out, pp, _, rid = torch.ops.qmoe.permute_mask(inp, routing_map, probs, None, n,
                                                       align_size)
+        return out, pp, rid
+    if (INDEX_MAP_IN_SCATTER and map_type == "index" and inp.is_cuda
+            and num_experts is not None):
+        out, pp, _, rid = torch.ops.qmoe.permute_index(inp, routing_map, probs, None, n,
+                                                       num_experts)
         return out, pp, rid
     rid, fill = torch.ops.qmoe.make_row_id_map(routing_map, n, map_type == "index",
                                                align_size)

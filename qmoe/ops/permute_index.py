@@ -1,5 +1,6 @@
-"""The index-map permute that builds its row_id_map in the scatter launch (built, not yet
-taken by the public ops).
+"""``qmoe::permute_index``: the index-map permute that builds its row_id_map in the
+scatter launch (built and tested; the public ops take it once it is timed on the GPU,
+``permute.INDEX_MAP_IN_SCATTER``).
 
 Glossary: T tokens, K slots per token, E experts, H hidden, N output rows, NS side-row
 columns.
@@ -11,7 +12,8 @@ one kernel (``_kernels/permute_index.py``) whose token programs build their own 
 and move their data rows. It needs E (``num_experts``): the counts are per expert. Its map
 and rows equal ``make_row_id_map(ids, N, True, 1)`` then ``permute``, bit for bit (tests).
 Not yet timed on the GPU, so the ops keep the sorting path; ``benchmarks/
-sweep_permute_mask.py --index`` times both.
+sweep_permute_mask.py --index`` times both. Off CUDA the op runs ``make_row_id_map`` then
+``permute``.
 """
 
 from __future__ import annotations
@@ -19,8 +21,12 @@ from __future__ import annotations
 import torch
 
 from qmoe._intmath import cdiv, next_pow2
+from qmoe._library import define
 from qmoe.ops.backend import assert_options, scatter_tile, tail_programs
+from qmoe.ops.permute_mask import _backward, _setup
 from qmoe.ops.row_id_map import index_block_counts, map_tiling, pdl_default, pdl_options
+
+ops = torch.ops.qmoe
 
 
 def permute_index_triton(
@@ -38,9 +44,10 @@ def permute_index_triton(
 ):
     """``(out [N, H], permuted_probs [N] or empty, side_out [N, NS] or empty, row_id_map
     [T, 2K+1] int32)`` of ``x [T, H]`` by the index map ``ids [T, K]`` (expert ids in
-    ``[-1, num_experts)``, ``-1`` not routed; ids outside that range are treated as not
-    routed: check them first), with ``probs [T, K]`` and side rows ``[T, NS]`` moved alike
-    (CUDA, or CPU under the interpreter). ``block_t`` tokens per count block (each token
+    ``[-1, num_experts)``, ``-1`` not routed; an id ``>= num_experts`` fails a device
+    assert, ids below -1 count as not routed: the public ops reject both first), with
+    ``probs [T, K]`` and side rows ``[T, NS]`` moved alike (CUDA, or CPU under the
+    interpreter). ``block_t`` tokens per count block (each token
     program also counts the ids of its block's earlier tokens), ``num_warps`` of the fused
     kernel, ``pdl`` as in ``permute_mask_triton`` (default ``pdl_default``), ``out``
     (tests: poisoned) receives the rows. Three launches, no host sync."""
@@ -84,3 +91,35 @@ def permute_index_triton(
         num_warps=num_warps, **pdl_options(pdl), **assert_options(),  # assert_probs_not_nan
     )
     return out, pp, so, rid
+
+
+@define(
+    "permute_index(Tensor inp, Tensor routing_map, Tensor? probs, Tensor? side, "
+    "SymInt num_out_tokens, int num_experts) -> (Tensor, Tensor, Tensor, Tensor)"
+)
+def _permute_index(inp, routing_map, probs, side, num_out_tokens, num_experts):
+    """``(out [N, H], permuted_probs [N] or empty, side_out [N, NS] or empty, row_id_map
+    [T, 2K+1] int32)``: ``inp [T, H]`` grouped by the index map ``[T, K]`` (ids in
+    ``[-1, num_experts)``), with ``probs [T, K]`` and side rows ``[T, NS]`` (block scales
+    of quantized rows) moved alike. No host sync."""
+    if inp.is_cuda:
+        return permute_index_triton(inp, routing_map, num_out_tokens, num_experts, probs, side)
+    n = num_out_tokens
+    rid, fill = ops.make_row_id_map(routing_map, n, True, 1)
+    out, pp = ops.permute(inp, rid, probs, n, fill)
+    so = ops.permute(side, rid, None, n, fill)[0] if side is not None else inp.new_empty(0)
+    return out, pp, so, rid
+
+
+@_permute_index.register_fake
+def _(inp, routing_map, probs, side, num_out_tokens, num_experts):
+    n = num_out_tokens
+    t, k = routing_map.shape
+    return (inp.new_empty((n, inp.shape[1])),
+            probs.new_empty((n,)) if probs is not None else inp.new_empty(0),
+            side.new_empty((n, side.shape[1])) if side is not None else inp.new_empty(0),
+            routing_map.new_empty((t, 2 * k + 1), dtype=torch.int32))
+
+
+_permute_index.register_autograd(_backward, setup_context=_setup)
+

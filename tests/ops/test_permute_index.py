@@ -1,18 +1,24 @@
-"""``permute_index_triton``: the index-map permute that builds its map rows in the scatter
-launch (not yet taken by the public ops).
+"""``qmoe::permute_index``: the index-map permute that builds its map rows in the scatter
+launch (not yet taken by the public ops: ``permute.INDEX_MAP_IN_SCATTER``).
 
 Its kernels (CUDA, or CPU under TRITON_INTERPRET=1) against ``make_row_id_map(ids, N,
-True, 1)`` (the sorting path) then the torch permute, bit for bit, into poisoned outputs.
+True, 1)`` (the sorting path) then the torch permute, bit for bit, into poisoned outputs;
+the op's opcheck, fake, autograd and FP8 passthrough rule.
 """
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
+import qmoe
 from qmoe.ops import backend as B
 from qmoe.ops.permute_index import permute_index_triton
 from qmoe.ops.row_id_map import make_row_id_map
 from tests.ops.helpers import routing
-from tests.tensors.helpers import assert_same_bits
+from tests.tensors.helpers import RECIPES, assert_same_bits, assert_same_quantized
+
+ops = torch.ops.qmoe
+DEV = "cpu"  # the op's CPU path (its CUDA path is the kernel above)
 
 CASES = [  # (T, H, E, K, kind)
     (1, 1, 4, 2, "random"), (63, 17, 7, 3, "sentinels"), (64, 300, 8, 8, "random"),
@@ -79,6 +85,21 @@ def test_kernel_fp8_bits_and_no_routes(kdevice):
         permute_index_triton(bits, ids, 80, 0)
 
 
+def test_kernel_asserts_ids_below_num_experts(kdevice, interpreter_asserts):
+    """An id >= num_experts trips the kernel's device assert rather than being dropped or
+    written out of bounds (under the interpreter it raises; on CUDA a device assert ends
+    the context, so that case is left to the public ops' checks, tested elsewhere)."""
+    if kdevice != "cpu":
+        pytest.skip("a device assert ends the CUDA context")
+    from triton.runtime.errors import InterpreterError
+
+    ids = torch.tensor([[0, 1], [3, -1]])
+    x = torch.randn(2, 4)
+    permute_index_triton(x, ids, 3, 4)  # fine as given
+    with pytest.raises(InterpreterError, match="ids must be < num_experts"):
+        permute_index_triton(x, ids, 3, 3)
+
+
 @pytest.mark.parametrize("pdl", [False, True], ids=["stream_order", "pdl"])
 def test_kernel_programmatic_dependent_launch(pdl):
     """Hopper: the scan and the fused kernel as programmatic dependents, at a size with
@@ -101,3 +122,56 @@ def test_kernel_programmatic_dependent_launch(pdl):
     want = _want(x, ids, n, None, None)
     assert_same_bits(got[0].cpu(), want[0])
     assert torch.equal(got[3].cpu(), want[3])
+
+
+@pytest.mark.parametrize("t", [0, 1, 37])
+def test_op_opcheck_and_fake(t):
+    """``qmoe::permute_index`` passes opcheck (schema, fake, autograd registration), empty
+    input included, and its fake matches the real outputs exactly."""
+    e, k, h = 8, 3, 20
+    ids, _ = routing(t, e, k, "sentinels", DEV)
+    x = torch.randn(t, h, device=DEV, requires_grad=True)
+    probs = torch.rand(t, k, device=DEV, requires_grad=True)
+    side = torch.randn(t, 3, device=DEV)
+    n = int((ids >= 0).sum())
+    for args in ((x, ids, None, None, n, e), (x, ids.to(torch.int32), probs, side, n + 5, e),
+                 (x, ids, probs, None, max(n - 2, 0), e)):
+        torch.library.opcheck(ops.permute_index.default, args)
+        real = ops.permute_index(*args)
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            fake = ops.permute_index(*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
+                                       for a in args])
+        for r, f in zip(real, fake):
+            assert (r.shape, r.dtype, r.device) == (f.shape, f.dtype, f.device)
+
+
+def test_op_autograd_reaches_inp_and_probs():
+    t, h, e = 21, 9, 6
+    ids, _ = routing(t, e, 2, "no_route_tokens", DEV)
+    x = torch.randn(t, h, dtype=torch.float64, device=DEV, requires_grad=True)
+    probs = torch.rand(t, 2, dtype=torch.float64, device=DEV, requires_grad=True)
+    n = int((ids >= 0).sum()) - 2  # two routes dropped: their gradient is zero
+
+    def f(x, probs):
+        out, pp, _, _ = ops.permute_index(x, ids, probs, None, n, e)
+        return out, pp
+
+    assert torch.autograd.gradcheck(f, (x, probs))
+
+
+@pytest.mark.parametrize("name", ["pertensor-e4m3", "blockwise-e5m2", "mx-e4m3"])
+def test_op_quantized_inp_passes_intact(name):
+    """The passthrough rule moves the fp8 bits and the block-scale rows in one call; the
+    result equals the public index-map permute of the quantized input."""
+    t, h, e = 37, 256, 8
+    ids, _ = routing(t, e, 2, "sentinels")
+    q = qmoe.quantize(torch.randn(t, h), RECIPES[name])
+    probs = torch.rand(t, 2)
+    n = int((ids >= 0).sum()) - 3
+    got, pp, so, rid = ops.permute_index(q, ids, probs, None, n, e)
+    assert type(got) is type(q) and so.numel() == 0
+    want, pp_w, rid_w = qmoe.moe_permute_with_probs(q, probs, ids, n, map_type="index")
+    assert_same_quantized(got, want)
+    assert torch.equal(pp, pp_w) and torch.equal(rid, rid_w)
+    with pytest.raises(TypeError, match="qmoe::permute_index: side rows"):
+        ops.permute_index(q, ids, probs, torch.zeros(t, 2), n, e)

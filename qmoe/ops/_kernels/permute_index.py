@@ -80,7 +80,8 @@ def permute_index_kernel(
             run += id_counts(index_row(ids_ptr, tt, tl.where(tt < pid, T, 0), K, stride_i,
                                        lanes), ce)
         ids = index_row(ids_ptr, pid, T, K, stride_i, lanes)
-        valid = (ids >= 0) & (ids < E)
+        tl.device_assert(ids < E, "qmoe: routing_map ids must be < num_experts")
+        valid = ids >= 0
         same = (ids[None, :] == ids[:, None]) & valid[None, :]  # (k, k')
         earlier = lanes[None, :] < lanes[:, None]  # k' < k
         dup = tl.sum((same & earlier).to(tl.int32), axis=1)  # earlier slots naming ids[k]
