@@ -23,10 +23,8 @@ import torch
 from qmoe._intmath import cdiv, next_pow2
 from qmoe._library import define
 from qmoe.ops.backend import assert_options, scatter_tile, tail_programs
-from qmoe.ops.permute_mask import _backward, _setup
+from qmoe.ops.permute_mask import _backward, _setup, fused_permute_fake, map_then_permute
 from qmoe.ops.row_id_map import index_block_counts, map_tiling, pdl_default, pdl_options
-
-ops = torch.ops.qmoe
 
 
 def permute_index_triton(
@@ -104,22 +102,9 @@ def _permute_index(inp, routing_map, probs, side, num_out_tokens, num_experts):
     of quantized rows) moved alike. No host sync."""
     if inp.is_cuda:
         return permute_index_triton(inp, routing_map, num_out_tokens, num_experts, probs, side)
-    n = num_out_tokens
-    rid, fill = ops.make_row_id_map(routing_map, n, True, 1)
-    out, pp = ops.permute(inp, rid, probs, n, fill)
-    so = ops.permute(side, rid, None, n, fill)[0] if side is not None else inp.new_empty(0)
-    return out, pp, so, rid
+    return map_then_permute(inp, routing_map, probs, side, num_out_tokens, True, 1)
 
 
-@_permute_index.register_fake
-def _(inp, routing_map, probs, side, num_out_tokens, num_experts):
-    n = num_out_tokens
-    t, k = routing_map.shape
-    return (inp.new_empty((n, inp.shape[1])),
-            probs.new_empty((n,)) if probs is not None else inp.new_empty(0),
-            side.new_empty((n, side.shape[1])) if side is not None else inp.new_empty(0),
-            routing_map.new_empty((t, 2 * k + 1), dtype=torch.int32))
-
-
+_permute_index.register_fake(fused_permute_fake)
 _permute_index.register_autograd(_backward, setup_context=_setup)
 

@@ -148,21 +148,30 @@ def _permute_mask(inp, routing_map, probs, side, num_out_tokens, align_size):
     of quantized rows) moved alike. No host sync."""
     if inp.is_cuda:
         return permute_mask_triton(inp, routing_map, num_out_tokens, align_size, probs, side)
-    n = num_out_tokens
-    rid, fill = ops.make_row_id_map(routing_map, n, False, align_size)
+    return map_then_permute(inp, routing_map, probs, side, num_out_tokens, False, align_size)
+
+
+def map_then_permute(inp, routing_map, probs, side, n, is_index, align_size):
+    """What a fused permute op (``permute_mask``, ``permute_index``) runs off CUDA:
+    ``make_row_id_map`` then ``permute`` of the rows, probs and side rows; same outputs."""
+    rid, fill = ops.make_row_id_map(routing_map, n, is_index, align_size)
     out, pp = ops.permute(inp, rid, probs, n, fill)
     so = ops.permute(side, rid, None, n, fill)[0] if side is not None else inp.new_empty(0)
     return out, pp, so, rid
 
 
-@_permute_mask.register_fake
-def _(inp, routing_map, probs, side, num_out_tokens, align_size):
+def fused_permute_fake(inp, routing_map, probs, side, num_out_tokens, *_):
+    """Fake outputs of a fused permute op: rows ``[N, H]``, probs ``[N]`` or empty, side
+    rows ``[N, NS]`` or empty, the map ``[T, 2S+1]`` int32 (S: routing_map's columns)."""
     n = num_out_tokens
-    t, e = routing_map.shape
+    t, s = routing_map.shape
     return (inp.new_empty((n, inp.shape[1])),
             probs.new_empty((n,)) if probs is not None else inp.new_empty(0),
             side.new_empty((n, side.shape[1])) if side is not None else inp.new_empty(0),
-            routing_map.new_empty((t, 2 * e + 1), dtype=torch.int32))
+            routing_map.new_empty((t, 2 * s + 1), dtype=torch.int32))
+
+
+_permute_mask.register_fake(fused_permute_fake)
 
 
 def _setup(ctx, inputs, output):
