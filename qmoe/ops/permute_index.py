@@ -23,7 +23,14 @@ import torch
 from qmoe._intmath import cdiv, next_pow2
 from qmoe._library import define
 from qmoe.ops.backend import assert_options, scatter_tile, tail_programs
-from qmoe.ops.permute_mask import _backward, _setup, fused_permute_fake, map_then_permute
+from qmoe.ops.permute_mask import (
+    _backward,
+    _setup,
+    fused_outputs,
+    fused_permute_fake,
+    map_then_permute,
+    no_routes,
+)
 from qmoe.ops.row_id_map import index_block_counts, map_tiling, pdl_default, pdl_options
 
 
@@ -56,17 +63,10 @@ def permute_index_triton(
     e = num_experts
     if e < 1:
         raise ValueError(f"permute_index_triton: num_experts must be >= 1, got {e}")
-    rid = ids.new_empty((t, 2 * k + 1), dtype=torch.int32)
-    if out is None:
-        out = x.new_empty((n, h))
-    pp = probs.new_empty((n,)) if probs is not None else x.new_empty(0)
-    ns = side.shape[1] if side is not None else 0
-    so = side.new_empty((n, ns)) if side is not None else x.new_empty(0)
-    if t == 0 or k == 0:  # no routes: every row is zero, every map row empty
-        for buf in (out, pp, so):
-            buf.zero_()
-        rid.fill_(-1)[:, -1] = 0
-        return out, pp, so, rid
+    out, pp, so, rid = outputs = fused_outputs(x, ids, n, probs, side, out)
+    if t == 0 or k == 0:
+        return no_routes(outputs)
+    ns = so.shape[1] if side is not None else 0
     if ids.stride(1) != 1:
         ids = ids.contiguous()
     if x.stride(1) != 1:

@@ -94,17 +94,10 @@ def permute_mask_triton(
 
     t, h = x.shape
     e = mask.shape[1]
-    rid = mask.new_empty((t, 2 * e + 1), dtype=torch.int32)
-    if out is None:
-        out = x.new_empty((n, h))
-    pp = probs.new_empty((n,)) if probs is not None else x.new_empty(0)
-    ns = side.shape[1] if side is not None else 0
-    so = side.new_empty((n, ns)) if side is not None else x.new_empty(0)
-    if t == 0 or e == 0:  # no routes: every row is zero, every map row empty
-        for buf in (out, pp, so):
-            buf.zero_()
-        rid.fill_(-1)[:, -1] = 0
-        return out, pp, so, rid
+    out, pp, so, rid = outputs = fused_outputs(x, mask, n, probs, side, out)
+    if t == 0 or e == 0:
+        return no_routes(outputs)
+    ns = so.shape[1] if side is not None else 0
     m = mask_operand(mask)
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -135,6 +128,28 @@ def permute_mask_triton(
         **pdl_options(pdl), **assert_options(),  # assert_probs_not_nan
     )
     return out, pp, so, rid
+
+
+def fused_outputs(x, routing_map, n, probs, side, out=None):
+    """``(out [N, H] (the given ``out``, else new), permuted probs [N] or empty, side rows
+    [N, NS] or empty, row_id_map [T, 2S+1] int32)``, unwritten, for a fused permute
+    launcher of ``x [T, H]`` by ``routing_map [T, S]``."""
+    t, s = routing_map.shape
+    rid = routing_map.new_empty((t, 2 * s + 1), dtype=torch.int32)
+    out = x.new_empty((n, x.shape[1])) if out is None else out
+    pp = probs.new_empty((n,)) if probs is not None else x.new_empty(0)
+    so = side.new_empty((n, side.shape[1])) if side is not None else x.new_empty(0)
+    return out, pp, so, rid
+
+
+def no_routes(outputs):
+    """``fused_outputs`` filled for a call without routes (no tokens or no slots): every
+    row zero, every map row empty."""
+    out, pp, so, rid = outputs
+    for buf in (out, pp, so):
+        buf.zero_()
+    rid.fill_(-1)[:, -1] = 0
+    return outputs
 
 
 @define(
