@@ -3,7 +3,8 @@
 Importing this module (``import qmoe.interop.torchao``; qmoe's ops also import it on their
 first eager call with a torchao tensor) registers, with
 ``torch.library.register_torch_dispatch``, a rule per torchao class for the ops that touch
-``inp``: ``qmoe::permute``, ``qmoe::sort_chunks`` and ``qmoe::unpermute``. A registered rule
+``inp``: ``qmoe::permute``, ``qmoe::permute_mask`` and ``qmoe::permute_index`` (the fused
+permutes CUDA takes for masks), ``qmoe::sort_chunks`` and ``qmoe::unpermute``. A registered rule
 runs instead of the class's own ``__torch_dispatch__`` (which raises for every indexing op),
 and rules match exact classes, so each concrete class is registered. Rules call the ops on
 the raw data and scale rows and rebuild the same class, so they trace under
@@ -140,6 +141,22 @@ def _sort_chunks_rule(cls, func, types, args, kwargs):
     return _rebuild(x, out.view(data.dtype), _moved_scale(x, s, scale)), pp
 
 
+def _fused_permute_rule(cls, func, types, args, kwargs):
+    """The fused mask / index permute (``qmoe::permute_mask``, ``qmoe::permute_index``, what
+    the public permutes of a mask run on CUDA): scale rows, where there is one per data
+    row, move as side rows of the data bytes in the same launch; other scales carry over."""
+    x, rmap, probs, side, n, last = args
+    if side is not None:
+        raise TypeError(f"{func.name()}: side rows come from the quantized inp's scales; "
+                        "pass side=None with a quantized inp")
+    data, scale, rows = _parts(x)
+    out, pp, s_out, rid = func(data.view(torch.uint8), rmap, probs,
+                               _scale_rows(scale) if rows else None, n, last)
+    moved = _moved_scale(x, s_out, scale) if rows else scale
+    empty = torch.empty(0, dtype=x.dtype, device=x.device)  # no side rows out, as for plain
+    return _rebuild(x, out.view(data.dtype), moved), pp, empty, rid
+
+
 def _unpermute_rule(cls, func, types, args, kwargs):
     """The merge of torchao rows: dequantized inside the merge kernel for the multiplying
     layouts; ``Float8TrainingTensor`` rows are dequantized in its convention (``data /
@@ -160,6 +177,8 @@ def _unpermute_rule(cls, func, types, args, kwargs):
 
 for _cls in TORCHAO_CLASSES:
     torch.library.register_torch_dispatch("qmoe::permute", _cls, _permute_rule)
+    torch.library.register_torch_dispatch("qmoe::permute_mask", _cls, _fused_permute_rule)
+    torch.library.register_torch_dispatch("qmoe::permute_index", _cls, _fused_permute_rule)
     torch.library.register_torch_dispatch("qmoe::sort_chunks", _cls, _sort_chunks_rule)
     torch.library.register_torch_dispatch("qmoe::unpermute", _cls, _unpermute_rule)
 

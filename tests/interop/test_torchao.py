@@ -128,6 +128,34 @@ def test_every_op_moves_torchao_rows_bit_exactly(name, dev):
     check_moved(sc, src, mask, None, chunks=(sizes, order))
 
 
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_fused_permute_ops_take_torchao_rows(name):
+    """``qmoe::permute_mask`` and ``qmoe::permute_index`` (what the public mask permutes
+    run on CUDA; their CPU path here) take torchao tensors: data bytes and scale rows equal
+    the map-then-permute path's, bit for bit, with dropped and padded rows."""
+    t, h, e, k = 37, 96, 6, 2
+    src = LAYOUTS[name](torch.randn(t, h, dtype=torch.bfloat16) * 3)
+    ids, mask = routing(t, e, k, "sentinels")
+    probs = torch.rand(t, e)
+    routed = int(mask.sum())
+    for n, align in ((routed - 5, 1), (routed + 40, 8)):
+        got, pp, so, rid = torch.ops.qmoe.permute_mask(src, mask, probs, None, n, align)
+        want, pp_w, rid_w, _, _ = qmoe.moe_permute_and_pad_with_probs(
+            src, probs, mask, None, align, num_out_tokens=n)
+        assert type(got) is type(src) and so.numel() == 0
+        for g, w in zip(_parts(got)[:2], _parts(want)[:2]):  # data, scale (0-d or rows)
+            assert_same_bits(g.reshape(-1).view(torch.uint8), w.reshape(-1).view(torch.uint8))
+        assert torch.equal(pp, pp_w) and torch.equal(rid, rid_w)
+    pk = torch.rand(t, k)
+    got, pp, _, rid = torch.ops.qmoe.permute_index(src, ids, pk, None, routed - 3, e)
+    want, pp_w, rid_w = qmoe.moe_permute_with_probs(src, pk, ids, routed - 3, map_type="index")
+    for g, w in zip(_parts(got)[:2], _parts(want)[:2]):
+        assert_same_bits(g.reshape(-1).view(torch.uint8), w.reshape(-1).view(torch.uint8))
+    assert torch.equal(pp, pp_w) and torch.equal(rid, rid_w)
+    with pytest.raises(TypeError, match="side rows come from"):
+        torch.ops.qmoe.permute_mask(src, mask, None, torch.zeros(t, 2), routed, 1)
+
+
 def test_conventions_and_zero_copy_conversions():
     x = torch.randn(64, 128, dtype=torch.bfloat16)
     for name in ("ao-pertensor", "ao-perrow", "ao-block1x32-e5m2", "mx-e4m3"):
