@@ -7,10 +7,16 @@ the returned object takes ``register_fake`` and ``register_autograd`` and is cal
 
 ``_LIB`` is the namespace's registration handle, written once at import (the ops
 themselves keep no state).
+
+Each op's implementation runs with the current CUDA device set to its first tensor
+argument's device: Triton launches on the current device and stream, not on the tensors'
+device, so without this an op on ``cuda:1`` called while ``cuda:0`` is current would launch
+on the wrong GPU.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -36,13 +42,31 @@ class Op:
         return getattr(torch.ops.qmoe, self.name)(*args)
 
 
+def on_input_device(fn: Callable) -> Callable:
+    """``fn`` run with the current CUDA device set to the device of its first tensor
+    argument when that is another CUDA device (a no-op check otherwise)."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                if a.is_cuda and a.get_device() != torch.cuda.current_device():
+                    with torch.cuda.device(a.device):
+                        return fn(*args, **kwargs)
+                break
+        return fn(*args, **kwargs)
+
+    return run
+
+
 def define(schema: str) -> Callable[[Callable], Op]:
-    """Decorator: define ``qmoe::<schema>`` with the function as its CPU and CUDA kernel."""
+    """Decorator: define ``qmoe::<schema>`` with the function as its CPU and CUDA kernel
+    (run on its first tensor argument's device: ``on_input_device``)."""
 
     def deco(fn: Callable) -> Op:
         name = schema.split("(", 1)[0]
         _LIB.define(schema)
-        _LIB.impl(name, fn, "CompositeExplicitAutograd")
+        _LIB.impl(name, on_input_device(fn), "CompositeExplicitAutograd")
         return Op(name)
 
     return deco
