@@ -12,7 +12,9 @@ as the sorting path ``row_id_map._index_rows`` defines it: ``start[e]`` (routes 
 experts) + the routes to e of earlier tokens (the scanned block counts of
 ``index_block_counts_kernel`` + ``block_scan_kernel``, then the earlier tokens of t's own
 block) + the earlier slots of t naming e. So, as in the mask kernel, every token program
-builds its own map row and moves its data row to the rows it holds in registers. With PDL
+builds its own map row and moves its data row to the rows it holds in registers. Unlike
+the mask kernel it works per route (``[BLOCK_K]`` vectors: the block's earlier ids are
+compared with the token's, K x K a token) rather than per expert. With PDL
 the programs load their data rows before waiting for the scan (``gdc_wait``).
 """
 
@@ -21,7 +23,7 @@ import triton.language as tl
 
 from qmoe.ops._kernels.permute import _tail_share, store_routes, zero_rows
 from qmoe.ops._kernels.permute_mask import routes_at
-from qmoe.ops._kernels.row_id_map import id_counts, index_row, write_map_row
+from qmoe.ops._kernels.row_id_map import index_row, write_map_row
 
 
 @triton.jit
@@ -70,23 +72,24 @@ def permute_index_kernel(
             tl.extra.cuda.gdc_wait()
         ce = tl.arange(0, BLOCK_E)
         lanes = tl.arange(0, BLOCK_K)
-        emask = ce < E
-        total = tl.load(total_ptr + ce, mask=emask, other=0)
-        blk = pid // BLOCK_T
-        run = tl.cumsum(total, axis=0) - total  # each expert's first row
-        run += tl.load(before_ptr + blk.to(tl.int64) * E + ce, mask=emask, other=0)
-        for i in tl.static_range(BLOCK_T - 1):  # the block's tokens before t
-            tt = blk * BLOCK_T + i
-            run += id_counts(index_row(ids_ptr, tt, tl.where(tt < pid, T, 0), K, stride_i,
-                                       lanes), ce)
         ids = index_row(ids_ptr, pid, T, K, stride_i, lanes)
         tl.device_assert(ids < E, "qmoe: routing_map ids must be < num_experts")
         valid = ids >= 0
-        same = (ids[None, :] == ids[:, None]) & valid[None, :]  # (k, k')
-        earlier = lanes[None, :] < lanes[:, None]  # k' < k
-        dup = tl.sum((same & earlier).to(tl.int32), axis=1)  # earlier slots naming ids[k]
-        hit = ce[None, :] == ids[:, None]  # (k, expert)
-        rows = tl.sum(tl.where(hit, run[None, :], 0), axis=1) + dup
+        # Each route's row, worked out for its own expert only ([BLOCK_K] vectors; no
+        # [BLOCK_E]-wide running count): the routes of lower experts (from the totals),
+        # of earlier blocks (a gather from the scanned counts), of the block's earlier
+        # tokens (their ids compared with the route's) and of t's earlier slots.
+        total = tl.load(total_ptr + ce, mask=ce < E, other=0)
+        rows = tl.sum(tl.where(ce[None, :] < ids[:, None], total[None, :], 0), axis=1)
+        blk = pid // BLOCK_T
+        rows += tl.load(before_ptr + blk.to(tl.int64) * E + ids, mask=valid & (ids < E),
+                        other=0)
+        for i in tl.static_range(BLOCK_T - 1):  # the block's tokens before t
+            tt = blk * BLOCK_T + i
+            prev = index_row(ids_ptr, tt, tl.where(tt < pid, T, 0), K, stride_i, lanes)
+            rows += tl.sum((prev[None, :] == ids[:, None]).to(tl.int32), axis=1)
+        same = (ids[None, :] == ids[:, None]) & (lanes[None, :] < lanes[:, None])  # k' < k
+        rows += tl.sum(same.to(tl.int32), axis=1)  # earlier slots naming the same expert
         keep = valid & (rows < N)
         before_k = keep[None, :] & (rows[None, :] < rows[:, None])  # kept routes before k
         slot = tl.sum(before_k.to(tl.int32), axis=1)  # position among the kept, row order
