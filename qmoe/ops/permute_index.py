@@ -52,10 +52,10 @@ def permute_index_triton(
     ``[-1, num_experts)``, ``-1`` not routed; an id ``>= num_experts`` fails a device
     assert, ids below -1 count as not routed: the public ops reject both first), with
     ``probs [T, K]`` and side rows ``[T, NS]`` moved alike (CUDA, or CPU under the
-    interpreter). ``block_t`` tokens per count block (each token
-    program also counts the ids of its block's earlier tokens), ``num_warps`` of the fused
-    kernel, ``pdl`` as in ``permute_mask_triton`` (default ``pdl_default``), ``out``
-    (tests: poisoned) receives the rows. Three launches, no host sync."""
+    interpreter). ``block_t`` tokens per count block (each token program also compares
+    the ids of its block's earlier tokens), ``num_warps`` of the fused kernel, ``pdl`` as
+    in ``permute_mask_triton`` (default ``pdl_default``), ``out`` (tests: poisoned)
+    receives the rows. Three launches, no host sync."""
     from qmoe.ops._kernels.permute_index import permute_index_kernel
 
     t, h = x.shape

@@ -13,9 +13,9 @@ experts) + the routes to e of earlier tokens (the scanned block counts of
 ``index_block_counts_kernel`` + ``block_scan_kernel``, then the earlier tokens of t's own
 block) + the earlier slots of t naming e. So, as in the mask kernel, every token program
 builds its own map row and moves its data row to the rows it holds in registers. Unlike
-the mask kernel it works per route (``[BLOCK_K]`` vectors: the block's earlier ids are
-compared with the token's, K x K a token) rather than per expert. With PDL
-the programs load their data rows before waiting for the scan (``gdc_wait``).
+the mask kernel it works per route (``[BLOCK_K]`` vectors: the ids of each earlier token
+of the block are compared with the token's, K x K compares) rather than per expert. With
+PDL the programs load their data rows before waiting for the scan (``gdc_wait``).
 """
 
 import triton
