@@ -49,8 +49,8 @@ def permute_index_triton(
 ):
     """``(out [N, H], permuted_probs [N] or empty, side_out [N, NS] or empty, row_id_map
     [T, 2K+1] int32)`` of ``x [T, H]`` by the index map ``ids [T, K]`` (expert ids in
-    ``[-1, num_experts)``, ``-1`` not routed; an id ``>= num_experts`` fails a device
-    assert, ids below -1 count as not routed: the public ops reject both first), with
+    ``[-1, num_experts)``, ``-1`` not routed; an id outside fails a device assert, and
+    the public ops reject it first), with
     ``probs [T, K]`` and side rows ``[T, NS]`` moved alike (CUDA, or CPU under the
     interpreter). ``block_t`` tokens per count block (each token program also compares
     the ids of its block's earlier tokens), ``num_warps`` of the fused kernel, ``pdl`` as
@@ -102,6 +102,10 @@ def _permute_index(inp, routing_map, probs, side, num_out_tokens, num_experts):
     of quantized rows) moved alike. No host sync."""
     if inp.is_cuda:
         return permute_index_triton(inp, routing_map, num_out_tokens, num_experts, probs, side)
+    if routing_map.numel() and not bool(((routing_map >= -1) & (routing_map < num_experts))
+                                        .all()):  # the kernel's assert, on CPU tensors
+        raise ValueError(f"qmoe::permute_index: routing_map ids must be in [-1, "
+                         f"num_experts={num_experts}); check the router's output")
     return map_then_permute(inp, routing_map, probs, side, num_out_tokens, True, 1)
 
 

@@ -86,9 +86,10 @@ def test_kernel_fp8_bits_and_no_routes(kdevice):
 
 
 def test_kernel_asserts_ids_below_num_experts(kdevice, interpreter_asserts):
-    """An id >= num_experts trips the kernel's device assert rather than being dropped or
-    written out of bounds (under the interpreter it raises; on CUDA a device assert ends
-    the context, so that case is left to the public ops' checks, tested elsewhere)."""
+    """An id outside [-1, num_experts) (int64 ids past 2**32 included) trips the kernel's
+    device assert rather than being dropped, narrowed or written out of bounds (under the
+    interpreter it raises; on CUDA a device assert ends the context, so that case is left
+    to the public ops' checks, tested elsewhere); the op's CPU path raises a ValueError."""
     if kdevice != "cpu":
         pytest.skip("a device assert ends the CUDA context")
     from triton.runtime.errors import InterpreterError
@@ -96,8 +97,12 @@ def test_kernel_asserts_ids_below_num_experts(kdevice, interpreter_asserts):
     ids = torch.tensor([[0, 1], [3, -1]])
     x = torch.randn(2, 4)
     permute_index_triton(x, ids, 3, 4)  # fine as given
-    with pytest.raises(InterpreterError, match="ids must be < num_experts"):
-        permute_index_triton(x, ids, 3, 3)
+    for bad, e in ((ids, 3), (ids.masked_fill(ids == 3, 2**32), 4),  # not narrowed to 0
+                   (ids.masked_fill(ids == -1, -2), 4)):
+        with pytest.raises(InterpreterError, match=r"ids must be in \[-1, num_experts\)"):
+            permute_index_triton(x, bad, 3, e)
+    with pytest.raises(ValueError, match="routing_map ids must be in"):  # the op, on CPU
+        ops.permute_index(x, ids, None, None, 3, 3)
 
 
 @pytest.mark.parametrize("pdl", [False, True], ids=["stream_order", "pdl"])

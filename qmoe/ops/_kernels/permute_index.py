@@ -73,7 +73,8 @@ def permute_index_kernel(
         ce = tl.arange(0, BLOCK_E)
         lanes = tl.arange(0, BLOCK_K)
         ids = index_row(ids_ptr, pid, T, K, stride_i, lanes)
-        tl.device_assert(ids < E, "qmoe: routing_map ids must be < num_experts")
+        tl.device_assert((ids < E) & (ids >= -1),
+                         "qmoe: routing_map ids must be in [-1, num_experts)")
         valid = ids >= 0
         # Each route's row, worked out for its own expert only ([BLOCK_K] vectors; no
         # [BLOCK_E]-wide running count): the routes of lower experts (from the totals),

@@ -61,11 +61,11 @@ def mask_block_counts_kernel(
 
 @triton.jit
 def index_row(ids_ptr, t, T, K, stride_t, lanes):
-    """Token t's expert ids as int32 over ``lanes`` (``[BLOCK_K]``): ``-1`` past K or
-    when t >= T (and wherever the map says not routed)."""
+    """Token t's expert ids over ``lanes`` (``[BLOCK_K]``, in the map's own integer type:
+    no narrowing before they are checked): ``-1`` past K or when t >= T (and wherever the
+    map says not routed)."""
     width = tl.where(t < T, K, 0)
-    ids = tl.load(ids_ptr + t.to(tl.int64) * stride_t + lanes, mask=lanes < width, other=-1)
-    return ids.to(tl.int32)
+    return tl.load(ids_ptr + t.to(tl.int64) * stride_t + lanes, mask=lanes < width, other=-1)
 
 
 @triton.jit
