@@ -22,6 +22,7 @@ import torch
 
 from qmoe._intmath import cdiv, next_pow2
 from qmoe._library import define
+from qmoe.ops import _checks as C
 from qmoe.ops.backend import assert_options, scatter_tile, tail_programs
 from qmoe.ops.permute_mask import (
     _backward,
@@ -102,10 +103,11 @@ def _permute_index(inp, routing_map, probs, side, num_out_tokens, num_experts):
     of quantized rows) moved alike. No host sync."""
     if inp.is_cuda:
         return permute_index_triton(inp, routing_map, num_out_tokens, num_experts, probs, side)
-    if routing_map.numel() and not bool(((routing_map >= -1) & (routing_map < num_experts))
-                                        .all()):  # the kernel's assert, on CPU tensors
-        raise ValueError(f"qmoe::permute_index: routing_map ids must be in [-1, "
-                         f"num_experts={num_experts}); check the router's output")
+    if routing_map.numel():  # the kernel's assert, as a ValueError on CPU tensors
+        C.check_values("qmoe::permute_index",
+                       ((routing_map >= -1) & (routing_map < num_experts)).all(),
+                       f"routing_map ids must be in [-1, num_experts={num_experts}); check "
+                       "the router's output")
     return map_then_permute(inp, routing_map, probs, side, num_out_tokens, True, 1)
 
 

@@ -139,7 +139,8 @@ MAX_SCAN_ELEMENTS = 4096
 #: lanes). Session 9, ``sweep_sort_chunks.py --fp8``, % of copy narrow -> wide: qwen3next
 #: (512 int32 columns) blockwise 67.5 -> 88.7, MX 68.4 -> 73.5; dsv3 (2048 columns)
 #: blockwise 88.9 -> 83.2, MX 89.0 -> 71.1. At 1024 columns (session 10, ``--steps 1``:
-#: qwen3, mixtral, gptoss) wide moved -2.3 to +1.1 points: no gain, they stay narrow.
+#: qwen3, mixtral, gptoss) default -> wide moved -2.6 to +0.9 points (docs/benchmarks.md):
+#: no gain, they stay narrow.
 SIDE_WIDE_MAX_COLS = 512
 
 

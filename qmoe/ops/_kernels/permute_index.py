@@ -21,8 +21,8 @@ PDL the programs load their data rows before waiting for the scan (``gdc_wait``)
 import triton
 import triton.language as tl
 
-from qmoe.ops._kernels.permute import _tail_share, store_routes, zero_rows
-from qmoe.ops._kernels.permute_mask import routes_at
+from qmoe.ops._kernels.permute import store_routes, zero_rows
+from qmoe.ops._kernels.permute_mask import routes_at, unwritten_range
 from qmoe.ops._kernels.row_id_map import index_row, write_map_row
 
 
@@ -106,9 +106,9 @@ def permute_index_kernel(
     else:
         if PDL:
             tl.extra.cuda.gdc_wait()
-        ce = tl.arange(0, BLOCK_E)
-        routed = tl.sum(tl.load(total_ptr + ce, mask=ce < E, other=0), axis=0)
-        lo, hi = _tail_share(tl.minimum(routed, N), N, pid - T, Z)
+        # the tail past the routed count (no padding: A = 1), as in the mask kernel
+        lo, hi = unwritten_range(pid - T, ids_ptr, total_ptr, T, N, E, 1, Z, stride_i, False,
+                                 BLOCK_E, 1)
         sc = tl.arange(0, BLOCK_S)
         first = tl.program_id(1) == 0
         zero_rows(lo, hi, N, out_ptr, H, cols, hmask, side_out_ptr, NS, sc,
