@@ -27,3 +27,20 @@ def routing(t: int, e: int, k: int, kind: str = "random", device="cpu"):
     mask = torch.zeros(t, e + 1, dtype=torch.bool)
     mask.scatter_(1, torch.where(ids >= 0, ids, e), True)
     return ids.to(device), mask[:, :e].contiguous().to(device)
+
+
+def map_then_permute(x, routing_map, n, is_index, align, probs=None, side=None):
+    """The two-step CPU path that the fused permute kernels must equal: ``make_row_id_map``
+    then the torch permute of rows, probs and side rows; ``(out, pp or None, side_out or
+    None, row_id_map)``."""
+    from qmoe.ops import backend as B
+    from qmoe.ops.row_id_map import make_row_id_map
+
+    rid, _ = make_row_id_map(routing_map.cpu(), n, is_index, align)
+    pp = torch.empty(n, dtype=probs.dtype) if probs is not None else None
+    so = torch.empty(n, side.shape[1], dtype=side.dtype) if side is not None else None
+    out = B.permute_rows(x.cpu(), rid, n, probs=None if probs is None else probs.cpu(),
+                         probs_out=pp, side=None if side is None else side.cpu(), side_out=so,
+                         use_triton=False)
+    return out, pp, so, rid
+

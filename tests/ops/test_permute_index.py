@@ -11,10 +11,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import qmoe
-from qmoe.ops import backend as B
 from qmoe.ops.permute_index import permute_index_triton
-from qmoe.ops.row_id_map import make_row_id_map
-from tests.ops.helpers import routing
+from tests.ops.helpers import map_then_permute, routing
 from tests.tensors.helpers import RECIPES, assert_same_bits, assert_same_quantized
 
 ops = torch.ops.qmoe
@@ -28,13 +26,7 @@ CASES = [  # (T, H, E, K, kind)
 
 
 def _want(x, ids, n, probs, side):
-    rid, _ = make_row_id_map(ids.cpu(), n, True, 1)
-    pp = torch.empty(n, dtype=probs.dtype) if probs is not None else None
-    so = torch.empty(n, side.shape[1], dtype=side.dtype) if side is not None else None
-    out = B.permute_rows(x.cpu(), rid, n, probs=None if probs is None else probs.cpu(),
-                         probs_out=pp, side=None if side is None else side.cpu(), side_out=so,
-                         use_triton=False)
-    return out, pp, so, rid
+    return map_then_permute(x, ids, n, True, 1, probs, side)
 
 
 @pytest.mark.parametrize("t,h,e,k,kind", CASES)

@@ -10,10 +10,9 @@ import torch
 
 import qmoe
 from qmoe._intmath import next_pow2
-from qmoe.ops import backend as B
 from qmoe.ops.permute_mask import permute_mask_triton
-from qmoe.ops.row_id_map import SMALL_MAP_BYTES, MapTiling, make_row_id_map
-from tests.ops.helpers import routing
+from qmoe.ops.row_id_map import SMALL_MAP_BYTES, MapTiling
+from tests.ops.helpers import map_then_permute, routing
 from tests.tensors.helpers import RECIPES, assert_same_bits, assert_same_quantized
 
 ops = torch.ops.qmoe
@@ -26,13 +25,7 @@ CASES = [  # (T, H, E, K, kind)
 
 
 def _want(x, mask, n, align, probs, side):
-    rid, _ = make_row_id_map(mask.cpu(), n, False, align)
-    pp = torch.empty(n, dtype=probs.dtype) if probs is not None else None
-    so = torch.empty(n, side.shape[1], dtype=side.dtype) if side is not None else None
-    out = B.permute_rows(x.cpu(), rid, n, probs=None if probs is None else probs.cpu(),
-                         probs_out=pp, side=None if side is None else side.cpu(), side_out=so,
-                         use_triton=False)
-    return out, pp, so, rid
+    return map_then_permute(x, mask, n, False, align, probs, side)
 
 
 @pytest.mark.parametrize("t,h,e,k,kind", CASES)
