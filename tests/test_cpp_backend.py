@@ -68,7 +68,10 @@ def test_move_and_merge(dtype, t, h, e, k, extra, offset):
     gi, gw = ops.unpermute_backward(g, rid, probs, y, n)
     assert_same_bits(gi, B.permute_rows(g, rid, n, probs, use_triton=False))
     ref = B.merge_weight_grad(g.double(), y.double(), rid, e)
-    torch.testing.assert_close(gw.double(), ref.double(), rtol=1e-5, atol=1e-5)
+    # fp32 sum of h products: |error| <= (h + 1) * 2**-24 * sum |g * y| (rounding of each
+    # product and each addition); a fixed atol fails on unlucky draws at h = 2112
+    mag = B.merge_weight_grad(g.double().abs(), y.double().abs(), rid, e)
+    assert ((gw.double() - ref).abs() <= (h + 1) * 2**-24 * mag + 1e-30).all()
 
 
 @pytest.mark.parametrize("recipe", ["pertensor", "blockwise", "mx"])
