@@ -191,26 +191,40 @@ std::tuple<Tensor, Tensor> index_map(const Tensor& rm, int64_t n) {
   const int64_t t = rm.size(0), k = rm.size(1);
   auto m = rm.contiguous();
   const I* ip = m.data_ptr<I>();
-  int64_t e = 0;
+  int64_t hi = -1;
   for (int64_t q = 0; q < t * k; ++q) {
     QMOE_CHECK(ip[q] >= -1, "make_row_id_map", "routing_map holds expert id ",
                static_cast<int64_t>(ip[q]), "; ids must be in [-1, E)");
-    e = std::max<int64_t>(e, static_cast<int64_t>(ip[q]) + 1);
+    hi = std::max<int64_t>(hi, static_cast<int64_t>(ip[q]));
   }
-  std::vector<int64_t> cursor(e, 0);
-  for (int64_t q = 0; q < t * k; ++q)
-    if (ip[q] >= 0) ++cursor[ip[q]];
-  const std::vector<int64_t> routed{std::accumulate(cursor.begin(), cursor.end(), int64_t{0})};
-  int64_t acc = 0;
-  for (int64_t j = 0; j < e; ++j) {
-    const int64_t c = cursor[j];
-    cursor[j] = acc;
-    acc += c;
-  }
-  // A counting sort: expert-major, then (t, k) order, as a stable sort of the ids gives.
+  // dst[q]: output row of route q, expert-major, then (t, k) order, as a stable sort of
+  // the ids gives; -1 for unrouted slots.
   std::vector<int64_t> dst(t * k, -1);
-  for (int64_t q = 0; q < t * k; ++q)
-    if (ip[q] >= 0) dst[q] = cursor[ip[q]]++;
+  int64_t routed_count = 0;
+  if (hi < 4 * t * k + 4096) {
+    // A counting sort over E = hi + 1 experts (E bounded by the route count).
+    std::vector<int64_t> cursor(hi + 1, 0);
+    for (int64_t q = 0; q < t * k; ++q)
+      if (ip[q] >= 0) ++cursor[ip[q]];
+    for (int64_t j = 0; j <= hi; ++j) {
+      const int64_t c = cursor[j];
+      cursor[j] = routed_count;
+      routed_count += c;
+    }
+    for (int64_t q = 0; q < t * k; ++q)
+      if (ip[q] >= 0) dst[q] = cursor[ip[q]]++;
+  } else {
+    // Ids far past the route count (no num_experts to bound them): a stable sort of the
+    // routed slots, so memory follows T*K rather than the largest id.
+    std::vector<int64_t> order;
+    for (int64_t q = 0; q < t * k; ++q)
+      if (ip[q] >= 0) order.push_back(q);
+    std::stable_sort(order.begin(), order.end(),
+                     [ip](int64_t a, int64_t b) { return ip[a] < ip[b]; });
+    routed_count = static_cast<int64_t>(order.size());
+    for (int64_t j = 0; j < routed_count; ++j) dst[order[j]] = j;
+  }
+  const std::vector<int64_t> routed{routed_count};
   auto rid = at::empty({t, 2 * k + 1}, m.options().dtype(at::kInt));
   int32_t* r = rid.data_ptr<int32_t>();
   at::parallel_for(0, t, 256, [&](int64_t b, int64_t end) {

@@ -44,6 +44,22 @@ def test_maps(t, e, k, kind):
         assert torch.equal(fill, fill_rows((ids >= 0).sum(), n, 1))
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_index_map_sparse_huge_ids(dtype):
+    """Ids far past T*K without num_experts (the largest near the dtype's max): the map takes
+    a sort instead of a counting array of max(id) + 1 entries (was std::bad_alloc)."""
+    t, k = 50, 3
+    ids, _ = routing(t, 9, k, "sentinels")
+    big = torch.iinfo(dtype).max - 8
+    sparse = torch.where(ids >= 0, ids.long() * (big // 8), ids.long()).to(dtype)
+    assert int(sparse.max()) > 4 * t * k + 4096
+    for n in (int((ids >= 0).sum()), 40, int((ids >= 0).sum()) + 3):
+        got, fill = ops.make_row_id_map(sparse, n, True, 1)
+        # the same order as the compact ids (the map is rank-based)
+        assert torch.equal(got, _index_rows(ids, n))
+        assert torch.equal(fill, fill_rows((ids >= 0).sum(), n, 1))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
     "t,h,e,k,extra",
