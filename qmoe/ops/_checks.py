@@ -4,9 +4,14 @@ device tensors either ride on a host sync the call makes anyway, or become
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+#: probs and merging_probs: also fp64 (Megatron's ``moe_router_dtype="fp64"`` routers);
+#: kernels read them as fp32 for the merge, permuted probs keep the probs' dtype
+_PROBS = (*_FLOATS, torch.float64)
 _INTS = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 
@@ -85,7 +90,7 @@ def check_probs(fn: str, name: str, probs, t: int, p: int, ref: torch.Tensor, co
     if probs is None:
         return
     check_not_quantized(fn, name, probs)
-    check_tensor(fn, name, probs, ndim=2, dtypes=_FLOATS)
+    check_tensor(fn, name, probs, ndim=2, dtypes=_PROBS)
     if tuple(probs.shape) != (t, p):
         raise ValueError(f"{fn}: {name} must be [T, {cols}] = [{t}, {p}], got {tuple(probs.shape)}")
     check_same_device(fn, "inp", ref, **{name: probs})
@@ -101,9 +106,27 @@ def check_no_nan(fn: str, name: str, probs: torch.Tensor) -> None:
 
 
 def check_num_out_tokens(fn: str, num_out_tokens) -> int | None:
-    """None or -1 mean 'all routed rows' (counted with one host sync); ints >= 0 size N."""
+    """None or -1 mean 'all routed rows' (counted with one host sync); ints >= 0 size N.
+    A 0-d integer tensor (``tokens_per_expert.sum()``, as TransformerEngine takes) is read
+    with ``.item()``: a host sync for a CUDA tensor, refused under torch.compile. Integer
+    scalars of other types (``numpy.int64``) count as ints."""
     if num_out_tokens is None:
         return None
+    if isinstance(num_out_tokens, torch.Tensor):
+        if num_out_tokens.dim() != 0 or num_out_tokens.dtype not in _INTS:
+            raise TypeError(
+                f"{fn}: num_out_tokens as a tensor must be 0-d integer, got "
+                f"{num_out_tokens.dtype} {tuple(num_out_tokens.shape)}; pass an int"
+            )
+        if is_compiling():
+            raise TypeError(
+                f"{fn}: under torch.compile pass num_out_tokens as an int, not a tensor "
+                "(reading its value needs a host sync)"
+            )
+        num_out_tokens = int(num_out_tokens.item())
+    elif (not isinstance(num_out_tokens, (bool, torch.SymInt))
+          and hasattr(type(num_out_tokens), "__index__")):
+        num_out_tokens = operator.index(num_out_tokens)  # numpy and other integer scalars
     if isinstance(num_out_tokens, bool) or not isinstance(num_out_tokens, (int, torch.SymInt)):
         raise TypeError(
             f"{fn}: num_out_tokens must be an int or None, got {type(num_out_tokens).__name__}"

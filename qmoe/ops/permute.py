@@ -192,7 +192,9 @@ def moe_permute(
             old default) means all routed rows, counted with **one host sync**. An int
             makes the call sync-free: routes whose row would be ``>= N`` are dropped
             (never written, and zero in unpermute and the backward) and rows no route
-            fills are zero, so a fixed-size buffer is always safe.
+            fills are zero, so a fixed-size buffer is always safe. A 0-d integer tensor
+            (TransformerEngine's callers pass ``tokens_per_expert.sum()``) is read with
+            ``.item()``: a host sync for a CUDA tensor, and refused under torch.compile.
         max_token_num: accepted for TransformerEngine compatibility; qmoe keeps no
             workspace, so it is unused.
         map_type: ``"mask"`` or ``"index"``.
@@ -267,8 +269,8 @@ def moe_permute_and_pad_with_probs(
 
     * TransformerEngine's (``num_out_tokens=None``): N is the padded total, counted with
       **one host sync**; ``tokens_per_expert`` (``[E]``, must equal ``routing_map``'s
-      column counts, checked on the same sync) may also be ``None``; ``pad_offsets`` is
-      ``None`` when no group needed padding.
+      column counts, checked on the same sync; on the CPU or inp's device) may also be ``None``;
+      ``pad_offsets`` is ``None`` when no group needed padding.
     * Sync-free (``num_out_tokens=<upper bound>``, works under ``fullgraph=True`` and CUDA
       graph capture): N is the bound, rows past the padded total are zero, rows past N
       are dropped, and ``pad_offsets`` is always a tensor.
@@ -283,8 +285,11 @@ def moe_permute_and_pad_with_probs(
     pads = target - counts
     pad_offsets = torch.cumsum(pads, 0) - pads
     if tokens_per_expert is not None:
+        # on the CPU or inp's device: Megatron's DeepEP path builds it on the CPU
+        # (TransformerEngine moves it to inp's device); qmoe only checks it, on the sync
         C.check_tensor(fn, "tokens_per_expert", tokens_per_expert, ndim=1, dtypes=C._INTS)
-        C.check_same_device(fn, "inp", inp, tokens_per_expert=tokens_per_expert)
+        if tokens_per_expert.device.type != "cpu":
+            C.check_same_device(fn, "inp", inp, tokens_per_expert=tokens_per_expert)
         if tokens_per_expert.shape[0] != routing_map.shape[1]:
             raise ValueError(
                 f"{fn}: tokens_per_expert must be [E] = [{routing_map.shape[1]}], got "

@@ -134,13 +134,14 @@ def moe_unpermute(
         inp: ``[N, H]`` fp32/bf16/fp16, the (expert-processed) output of a permute.
         row_id_map: ``[T, 2*S + 1]`` int32 from ``moe_permute*``; T comes from it.
         merging_probs: optional ``[T, E]`` (mask map) or ``[T, K]`` (index map) float
-            weights; without it each kept route counts once.
+            weights (fp64 included; read as fp32); without it each kept route counts once.
         restore_shape: optional ``(T, H)``; checked against the map, never needed.
         map_type: ``"mask"`` or ``"index"``, as given to the permute (the map itself
             carries the probs columns, so this is only validated).
         probs: TransformerEngine's deprecated alias of ``merging_probs``.
         pad_offsets: accepted for TransformerEngine call compatibility and ignored: the
-            map of ``moe_permute_and_pad_with_probs`` already holds padded rows.
+            map of ``moe_permute_and_pad_with_probs`` already holds padded rows (unlike
+            TransformerEngine's, see docs/ops.md). Raises with ``map_type="index"``.
 
     Returns ``[T, H]`` in ``inp.dtype``, accumulated in fp32 (rows in ascending order).
     Dropped routes and padding rows are never read; a token with no kept route gets
@@ -158,9 +159,15 @@ def moe_unpermute(
         raise ValueError(f"{fn}: row_id_map must be [T, 2*S + 1], got {tuple(row_id_map.shape)}")
     if map_type not in ("mask", "index"):
         raise ValueError(f"{fn}: map_type must be 'mask' or 'index', got {map_type!r}")
+    if pad_offsets is not None and map_type == "index":
+        raise ValueError(
+            f"{fn}: pad_offsets goes with the mask maps of moe_permute_and_pad_with_probs "
+            "(qmoe pads mask maps only, and their map already holds the padded rows); "
+            "drop pad_offsets"
+        )
     if merging_probs is not None:
         C.check_not_quantized(fn, "merging_probs", merging_probs)
-        C.check_tensor(fn, "merging_probs", merging_probs, ndim=2, dtypes=C._FLOATS)
+        C.check_tensor(fn, "merging_probs", merging_probs, ndim=2, dtypes=C._PROBS)
     C.check_same_device(fn, "inp", inp, row_id_map=row_id_map, merging_probs=merging_probs)
     t = row_id_map.shape[0]
     if restore_shape is not None and tuple(restore_shape) != (t, inp.shape[1]):

@@ -80,7 +80,9 @@ def _specific(op, name, g):
                   ("quantized probs", qmoe.quantize(g["probs"], qmoe.PerTensor()))],
         "merging_probs": [("NaN probs", torch.full_like(g["probs"], float("nan"))),
                           ("wrong column count", g["probs"][:, :3])],
-        "num_out_tokens": [("negative count", -5), ("float count", 7.0), ("bool count", True)],
+        "num_out_tokens": [("negative count", -5), ("float count", 7.0), ("bool count", True),
+                           ("1-d tensor count", torch.tensor([7])),
+                           ("float tensor count", torch.tensor(7.0))],
         "num_experts": [("ids >= num_experts", 3), ("zero experts", 0)],
         "routing_map": [("ids below -1", g["ids"] - 3)] if "index" in op else
                        [("probs-shaped float map", g["probs"])],

@@ -160,3 +160,42 @@ def test_integer_mask_and_int32_ids():
     c, _ = qmoe.moe_permute(x, mask)
     assert_same_bits(a, c)
     assert_same_bits(b, c)
+
+
+def test_megatron_call_patterns():
+    """Calls TransformerEngine accepts and Megatron-LM makes: fp64 router probs (their
+    permuted probs and gradients stay fp64), ``num_out_tokens`` as a 0-d integer tensor or a
+    numpy int, and the pad variant's ``tokens_per_expert`` built on the CPU."""
+    np = pytest.importorskip("numpy")
+    t, h, e, k = 45, 24, 8, 3
+    x, ids, mask = _inputs(t, h, e, k, "random", torch.float32)
+    probs = torch.rand(t, e, dtype=torch.float64, device=DEV).requires_grad_()
+    n = int(mask.sum())
+    for num in (torch.tensor(n - 5, device=DEV), np.int64(n - 5), mask.sum() - 5):
+        out, pp, rid = qmoe.moe_permute_with_probs(x, probs, mask, num)
+        ref, rpp, _ = R.permute(x.cpu(), mask.cpu(), "mask", n - 5, probs.detach().cpu())
+        assert pp.dtype == torch.float64
+        assert_same_bits(out.cpu(), ref)
+        assert_same_bits(pp.detach().cpu(), rpp)
+    y = qmoe.moe_unpermute(out, rid, merging_probs=probs)
+    (y.sum() + pp.sum()).backward()
+    assert probs.grad.dtype == torch.float64 and probs.grad.shape == (t, e)
+    # index map with fp64 probs
+    p_k = probs.detach().gather(1, ids)
+    out_i, pp_i, _ = qmoe.moe_permute_with_probs(x, p_k, ids, map_type="index")
+    assert torch.equal(pp_i, R.permute(x.cpu(), mask.cpu(), "mask", None,
+                                       probs.detach().cpu())[1].to(DEV))
+    # pad variant: tokens_per_expert on the CPU whatever inp's device
+    tpe = mask.sum(0).cpu()
+    out_p, pp_p, *_ = qmoe.moe_permute_and_pad_with_probs(x, probs.detach(), mask, tpe, 16)
+    ref_p, rpp_p, _ = R.permute(x.cpu(), mask.cpu(), "mask", None, probs.detach().cpu(),
+                                align_size=16)
+    assert_same_bits(out_p.cpu(), ref_p)
+    assert_same_bits(pp_p.cpu(), rpp_p)
+    # chunk sort with fp64 probs
+    sizes = torch.tensor([10, 0, 30, 5], device=DEV)
+    order = torch.tensor([2, 3, 0, 1], device=DEV)
+    sp = torch.rand(t, dtype=torch.float64, device=DEV)
+    _, sp_out = qmoe.moe_sort_chunks_by_index_with_probs(x, sp, sizes, order)
+    assert torch.equal(sp_out.cpu(), R.sort_chunks(x.cpu(), [10, 0, 30, 5], [2, 3, 0, 1],
+                                                   sp.cpu())[1])

@@ -40,7 +40,7 @@ def test_kernel_matches_sorting_path(kdevice, t, h, e, k, kind):
     probs = torch.rand(t, k, device=kdevice)
     side = torch.randn(t, 5, device=kdevice)
     inputs = ((ids, None, None, 16), (ids.to(torch.int32), probs, side, 4),
-              (ids, probs, side.view(torch.uint8)[:, :7], 1))
+              (ids, probs.double(), side.view(torch.uint8)[:, :7], 1))  # fp64 probs
     for (i_, p, sd, bt), n in zip(inputs, (routed, routed // 2, routed + 70)):
         out = torch.full((n, h), float("nan"), device=kdevice)
         got = permute_index_triton(x, i_, n, e, p, sd, block_t=bt, out=out)

@@ -47,8 +47,9 @@ def test_kernel_matches_two_step_path(kdevice, t, h, e, k, kind, align, one_laun
     # several count blocks (tokens before t inside t's block) with small inputs
     tilings = [None] if one_launch else [None, MapTiling(4, 1, 2), MapTiling(1, 1, 1)]
     tokens = [1, 4, 2] if one_launch else [2, 4, 1]  # tokens per program (divides blocks)
+    # fp64 probs (Megatron's fp64 routers) in the third case: permuted probs keep the dtype
     inputs = ((mask, None, None), (mask.to(torch.int32), probs, side),
-              (mask, probs, side.view(torch.uint8)[:, :7]))
+              (mask, probs.double(), side.view(torch.uint8)[:, :7]))
     for i, n in enumerate((routed, routed // 2, routed + 70)):
         m, p, sd = inputs[i]
         out = torch.full((n, h), float("nan"), device=kdevice)
