@@ -37,6 +37,12 @@ def _cases():
                (x, mask.to(torch.int32), probs, side, n + 8, 4))
         yield f"unpermute-{t}", ops.unpermute.default, (y, rid_m, None)
         yield f"unpermute_probs-{t}", ops.unpermute.default, (y, rid_m, probs)
+        # fp64 router probs (Megatron's moe_router_dtype="fp64")
+        p64 = probs.detach().double().requires_grad_()
+        yield f"permute_probs_fp64-{t}", ops.permute.default, (x, rid_m, p64, n)
+        yield (f"permute_mask_probs_fp64-{t}", ops.permute_mask.default,
+               (x, mask, p64, None, n, 1))
+        yield f"unpermute_probs_fp64-{t}", ops.unpermute.default, (y, rid_m, p64)
         g = torch.randn(t, h, device=DEV)
         # A backward helper (no double backward): inputs without requires_grad.
         bwd_args = (g, rid_m, probs.detach(), y.detach(), n)
@@ -62,6 +68,8 @@ def _cases():
         yield f"sort_chunks-{t}", ops.sort_chunks.default, (x, sizes, order, None)
         yield f"per_tensor_scale-{t}", ops.per_tensor_scale.default, (x.detach(), 448.0, False)
         yield f"sort_chunks_probs-{t}", ops.sort_chunks.default, (x, sizes, order, p1)
+        yield (f"sort_chunks_probs_fp64-{t}", ops.sort_chunks.default,
+               (x, sizes, order, p1.detach().double().requires_grad_()))
         g1 = torch.randn(t, device=DEV, requires_grad=True)
         yield (f"sort_chunks_bwd-{t}", ops.sort_chunks_backward.default,
                (torch.randn(t, h, device=DEV, requires_grad=True), sizes, order, g1))
