@@ -87,7 +87,8 @@ inline void stream_fence() {
 #endif
 }
 
-#define QMOE_CHECK(cond, op, ...) TORCH_CHECK(cond, "qmoe::", op, ": ", __VA_ARGS__)
+// Bad arguments raise Python ValueError (TORCH_CHECK_VALUE), as the Python layer does.
+#define QMOE_CHECK(cond, op, ...) TORCH_CHECK_VALUE(cond, "qmoe::", op, ": ", __VA_ARGS__)
 
 int64_t slots_of(const Tensor& rid) { return (rid.size(1) - 1) / 2; }
 
@@ -105,7 +106,7 @@ Tensor rows_view(const Tensor& x) { return x.stride(1) == 1 ? x : x.contiguous()
 
 // A map row's route count must lie in [0, S]: the kernels read that many entries of the row.
 inline void check_count(int32_t cnt, int64_t s, int64_t t) {
-  TORCH_CHECK(cnt >= 0 && cnt <= s, "qmoe: row_id_map row ", t, " counts ", cnt,
+  TORCH_CHECK_VALUE(cnt >= 0 && cnt <= s, "qmoe: row_id_map row ", t, " counts ", cnt,
               " routes but the map has ", s, " slots; pass the row_id_map qmoe built");
 }
 
@@ -252,7 +253,7 @@ std::tuple<Tensor, Tensor> make_row_id_map(const Tensor& rm, int64_t n, bool is_
       case at::kInt: return index_map<int32_t>(rm, n);
       case at::kShort: return index_map<int16_t>(rm, n);
       case at::kChar: return index_map<int8_t>(rm, n);
-      default: TORCH_CHECK(false, "qmoe::make_row_id_map: index routing_map must be an integer "
+      default: TORCH_CHECK_TYPE(false, "qmoe::make_row_id_map: index routing_map must be an integer "
                                   "tensor, got ", rm.scalar_type());
     }
   }
@@ -263,13 +264,21 @@ std::tuple<Tensor, Tensor> make_row_id_map(const Tensor& rm, int64_t n, bool is_
     case at::kShort: return mask_map<int16_t>(rm, n, align);
     case at::kInt: return mask_map<int32_t>(rm, n, align);
     case at::kLong: return mask_map<int64_t>(rm, n, align);
-    default: TORCH_CHECK(false, "qmoe::make_row_id_map: mask routing_map must be bool or "
+    default: TORCH_CHECK_TYPE(false, "qmoe::make_row_id_map: mask routing_map must be bool or "
                                 "integer, got ", rm.scalar_type());
   }
 }
 
 // --------------------------------------------------------------------- permute
+// A route's probs column must lie in [0, P): the map is the caller's to pass back.
+inline void check_col(int32_t c, int64_t p, int64_t t) {
+  TORCH_CHECK_VALUE(c >= 0 && c < p, "qmoe: row_id_map row ", t, " names probs column ", c,
+              " but the probs have ", p, " columns; pass the row_id_map qmoe built with "
+              "these probs' routing");
+}
+
 float weight_at(const Tensor& w, int64_t t, int64_t c) {
+  check_col(static_cast<int32_t>(c), w.size(1), t);
   return AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, w.scalar_type(), "w", [&] {
     return static_cast<float>(w.data_ptr<scalar_t>()[t * w.stride(0) + c * w.stride(1)]);
   });
@@ -293,7 +302,7 @@ Tensor permute_rows(const Tensor& inp, const Tensor& rid, int64_t n,
     const bool stream = n * rb >= kStreamBytes;
     for_each_route(rid, [&](int64_t t, const int32_t* dst, const int32_t*, int32_t cnt) {
       for (int32_t s = 0; s < cnt; ++s) {
-        TORCH_CHECK(dst[s] >= 0 && dst[s] < n, "qmoe::permute: row_id_map row ", dst[s],
+        TORCH_CHECK_VALUE(dst[s] >= 0 && dst[s] < n, "qmoe::permute: row_id_map row ", dst[s],
                     " out of range for num_out_tokens=", n, "; rebuild the map for this N");
         copy_row(o + dst[s] * rb, xp + t * xs, rb, stream);
         written[dst[s]] = 1;
@@ -306,7 +315,7 @@ Tensor permute_rows(const Tensor& inp, const Tensor& rid, int64_t n,
       for_each_route(rid, [&](int64_t t, const int32_t* dst, const int32_t* col, int32_t cnt) {
         const scalar_t* src = reinterpret_cast<const scalar_t*>(xp + t * xs);
         for (int32_t s = 0; s < cnt; ++s) {
-          TORCH_CHECK(dst[s] >= 0 && dst[s] < n, "qmoe::permute: row_id_map row out of range");
+          TORCH_CHECK_VALUE(dst[s] >= 0 && dst[s] < n, "qmoe::permute: row_id_map row out of range");
           const float wv = weight_at(w, t, col[s]);
           scalar_t* d = reinterpret_cast<scalar_t*>(o + dst[s] * rb);
           for (int64_t j = 0; j < h; ++j) d[j] = static_cast<scalar_t>(static_cast<float>(src[j]) * wv);
@@ -328,7 +337,11 @@ Tensor permute_probs(const Tensor& probs, const Tensor& rid, int64_t n) {
     scalar_t* out = pp.data_ptr<scalar_t>();
     const scalar_t* p = probs.data_ptr<scalar_t>();
     for_each_route(rid, [&](int64_t t, const int32_t* dst, const int32_t* col, int32_t cnt) {
-      for (int32_t s = 0; s < cnt; ++s) out[dst[s]] = p[t * probs.stride(0) + col[s] * probs.stride(1)];
+      for (int32_t s = 0; s < cnt; ++s) {
+        TORCH_CHECK_VALUE(dst[s] >= 0 && dst[s] < n, "qmoe::permute: row_id_map row out of range");
+        check_col(col[s], probs.size(1), t);
+        out[dst[s]] = p[t * probs.stride(0) + col[s] * probs.stride(1)];
+      }
     });
   });
   return pp;
@@ -336,9 +349,10 @@ Tensor permute_probs(const Tensor& probs, const Tensor& rid, int64_t n) {
 
 // `fill` (the map's unwritten row ranges) is accepted for the schema and unused: the CPU
 // kernel tracks the rows it writes and zeroes the rest itself.
-std::tuple<Tensor, Tensor> permute(const Tensor& inp, const Tensor& rid,
+std::tuple<Tensor, Tensor> permute(const Tensor& inp, const Tensor& rid_in,
                                    const c10::optional<Tensor>& probs, int64_t n,
                                    const c10::optional<Tensor>& /*fill*/) {
+  const Tensor rid = rid_in.contiguous();  // the walks read rows of 2S+1 entries
   auto out = permute_rows(inp, rid, n, c10::nullopt);
   if (!probs.has_value()) return {out, at::empty({0}, inp.options())};
   QMOE_CHECK(probs->dim() == 2 && probs->size(0) == inp.size(0), "permute",
@@ -423,7 +437,7 @@ Tensor merge(const Tensor& rid, int64_t h, int64_t nrows, const c10::optional<Te
       const int32_t cnt = dst[2 * s_];
       check_count(cnt, s_, i);
       for (int32_t s = 0; s < cnt; ++s) {
-        TORCH_CHECK(dst[s] >= 0 && dst[s] < nrows, "qmoe: row_id_map row ", dst[s],
+        TORCH_CHECK_VALUE(dst[s] >= 0 && dst[s] < nrows, "qmoe: row_id_map row ", dst[s],
                     " out of range for an input of ", nrows, " rows");
         wts[s] = w.has_value() ? weight_at(*w, i, col[s]) : 1.f;
       }
@@ -447,8 +461,9 @@ void check_weights(const char* op, const c10::optional<Tensor>& w, int64_t t, in
              "merging_probs must be [T, ", s, "] = [", t, ", ", s, "], got ", w->sizes());
 }
 
-Tensor unpermute(const Tensor& inp, const Tensor& rid, const c10::optional<Tensor>& w) {
+Tensor unpermute(const Tensor& inp, const Tensor& rid_in, const c10::optional<Tensor>& w) {
   const char* op = "unpermute";
+  const Tensor rid = rid_in.contiguous();
   QMOE_CHECK(inp.dim() == 2, op, "inp must be [N, H], got ", inp.sizes());
   QMOE_CHECK(rid.dim() == 2, op, "row_id_map must be 2-d");
   check_map(op, rid, rid.size(0));
@@ -485,10 +500,11 @@ float e8m0_value(uint8_t b) {
   return f;
 }
 
-Tensor unpermute_fp8(const Tensor& qbits, const Tensor& scale, const Tensor& rid,
+Tensor unpermute_fp8(const Tensor& qbits, const Tensor& scale, const Tensor& rid_in,
                      const c10::optional<Tensor>& w, int64_t layout, int64_t block_size,
                      at::ScalarType fp8_dtype, at::ScalarType out_dtype) {
   const char* op = "unpermute_fp8";
+  const Tensor rid = rid_in.contiguous();
   QMOE_CHECK(qbits.scalar_type() == at::kByte && qbits.dim() == 2, op,
              "qbits must be uint8 [N, H], got ", qbits.scalar_type(), " ", qbits.sizes());
   check_map(op, rid, rid.size(0));
@@ -543,6 +559,7 @@ Tensor merge_weight_grad(const Tensor& grad, const Tensor& x, const Tensor& rid,
   const float* xp = xf.data_ptr<float>();
   for_each_route(rid, [&](int64_t i, const int32_t* dst, const int32_t* col, int32_t cnt) {
     for (int32_t s = 0; s < cnt; ++s) {
+      check_col(col[s], p, i);
       double acc = 0.0;  // a fixed order; double keeps it close to the fp64 reference
       for (int64_t j = 0; j < h; ++j) acc += static_cast<double>(gp[i * h + j]) * xp[dst[s] * h + j];
       o[i * p + col[s]] = static_cast<float>(acc);
@@ -551,10 +568,11 @@ Tensor merge_weight_grad(const Tensor& grad, const Tensor& x, const Tensor& rid,
   return gw;
 }
 
-std::tuple<Tensor, Tensor> unpermute_backward(const Tensor& grad, const Tensor& rid,
+std::tuple<Tensor, Tensor> unpermute_backward(const Tensor& grad, const Tensor& rid_in,
                                               const c10::optional<Tensor>& w,
                                               const c10::optional<Tensor>& fwd_inp,
                                               int64_t num_rows) {
+  const Tensor rid = rid_in.contiguous();
   check_map("unpermute_backward", rid, grad.size(0));
   auto gi = permute_rows(grad, rid, num_rows, w);
   if (!w.has_value() || !fwd_inp.has_value()) return {gi, at::empty({0}, grad.options())};

@@ -79,13 +79,30 @@ def _one_tile(h: int) -> tuple[int, int]:
     return bh, max(1, min(8, bh // 512))
 
 
-def _routes(rid: torch.Tensor):
-    """(token, row, probs column) of every kept route, token-major then row order."""
+def unit_stride(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t`` (or None) with unit stride along its last dim: the kernels step columns by 1
+    and take only a row stride (a copy only for column-strided tensors, e.g. the
+    transpose of a contiguous one)."""
+    if t is None or t.shape[-1] <= 1 or t.stride(-1) == 1:
+        return t
+    return t.contiguous()
+
+
+def _routes(rid: torch.Tensor, *probs: torch.Tensor | None):
+    """(token, row, probs column) of every kept route, token-major then row order; the
+    columns checked against the width of each of ``probs`` given (a ValueError: the map is
+    the caller's to pass back, and a negative column would wrap)."""
     s = num_slots(rid)
     dst = rid[:, :s]
     valid = dst >= 0
     tok = torch.arange(rid.shape[0], device=rid.device)[:, None].expand(-1, s)
-    return tok[valid], dst[valid].long(), rid[:, s : 2 * s][valid].long()
+    col = rid[:, s : 2 * s][valid].long()
+    for p in probs:
+        if p is not None and col.numel() and (int(col.min()) < 0
+                                              or int(col.max()) >= p.shape[1]):
+            raise ValueError(f"qmoe: row_id_map names probs columns outside [0, {p.shape[1]}); "
+                             "pass the row_id_map qmoe built with these probs' routing")
+    return tok[valid], dst[valid].long(), col
 
 
 def permute_rows(
@@ -114,7 +131,7 @@ def permute_rows(
     use_triton = x.is_cuda if use_triton is None else use_triton
     if not use_triton:
         out = torch.zeros(n, h, dtype=x.dtype, device=x.device)
-        tok, row, col = _routes(rid)
+        tok, row, col = _routes(rid, weights, probs)
         val = x[tok]
         if weights is not None:
             val = (val.float() * weights[tok, col].float()[:, None]).to(x.dtype)
@@ -130,8 +147,8 @@ def permute_rows(
         out = torch.empty(n, h, dtype=x.dtype, device=x.device)
     if n == 0:
         return out
-    if x.stride(1) != 1:
-        x = x.contiguous()
+    x, weights, probs = unit_stride(x), unit_stride(weights), unit_stride(probs)
+    rid = rid.contiguous()  # rows of 2S+1 entries
     bh, nw, kb = scatter_tile(h, x.element_size(), weights is not None)
     has_f = fill is not None
     # Arguments a launch does not use go in as None (Triton makes them compile-time
@@ -213,7 +230,7 @@ def unpermute_rows(
     use_triton = x.is_cuda if use_triton is None else use_triton
     if not use_triton:
         acc = torch.zeros(t, h, dtype=torch.float32, device=x.device)
-        tok, row, col = _routes(rid)
+        tok, row, col = _routes(rid, weights)
         val = x[row].float()
         if weights is not None:
             val = val * weights[tok, col].float()[:, None]
@@ -225,7 +242,7 @@ def unpermute_rows(
         out = torch.empty(t, h, dtype=out_dtype, device=x.device)
     if t == 0 or h == 0:
         return out
-    x = x.contiguous()
+    x, rid = x.contiguous(), rid.contiguous()
     bh, nw, evict, pairs = merge_tile(h, weights is not None)
     if num_slots(rid) == 0:
         return out.zero_()  # no routes: nothing to read
@@ -247,7 +264,7 @@ def _weights_arg(weights: torch.Tensor | None, like: torch.Tensor) -> tuple[torc
         return like, 1
     if weights.shape[1] == 0:
         return weights.new_zeros((max(weights.shape[0], 1), 1)), 0
-    return weights, weights.shape[1]
+    return unit_stride(weights), weights.shape[1]
 
 
 def merge_backward_tile(h: int, p: int) -> tuple[int, int, int]:
@@ -269,7 +286,7 @@ def merge_weight_grad(grad: torch.Tensor, x: torch.Tensor, rid: torch.Tensor,
     """``[T, P]`` fp32: ``<grad[t], x[row]>`` for each kept route, zero elsewhere (torch;
     on CUDA the op takes ``merge_backward_kernel``, which computes it with grad_inp)."""
     gw = torch.zeros(grad.shape[0], p, dtype=torch.float32, device=grad.device)
-    tok, row, col = _routes(rid)
+    tok, row, col = _routes(rid, gw)
     gw[tok, col] = (grad[tok].float() * x[row].float()).sum(1)
     return gw
 
@@ -292,8 +309,7 @@ def gather_rows(
         out = torch.empty(r, h, dtype=x.dtype, device=x.device)
     if r == 0 or h == 0:
         return out
-    if x.stride(1) != 1:
-        x = x.contiguous()
+    x, src = unit_stride(x), src.contiguous()
     # about 16 KiB per program, as the scatter kernel (scatter_tile)
     bh = max(16, min(16384 // x.element_size(), next_pow2(h)))
     br = max(1, 16384 // (bh * x.element_size()))
@@ -344,7 +360,7 @@ def unpermute_fp8_rows(
     if num_slots(rid) == 0:
         return out.zero_()  # no routes: nothing to read
     w, p = _weights_arg(weights, qbits)
-    scale = scale.contiguous()
+    scale, rid = scale.contiguous(), rid.contiguous()
     if layout != 0 and qbits.shape[0] == 0:  # the kernel reads scale row 0 of a bad route
         scale = scale.new_zeros((1, scale.shape[-1]))
     unpermute_fp8_kernel[(t, cdiv(h, bh))](

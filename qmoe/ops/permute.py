@@ -116,7 +116,8 @@ def _out_rows(fn, inp, routing_map, map_type, num_out_tokens, num_experts, align
     """Checks; N (counted with a host sync when ``num_out_tokens`` is None)."""
     C.check_input(fn, inp)
     C.check_routing_map(fn, inp, routing_map, map_type)
-    if num_experts is not None and (not isinstance(num_experts, int) or num_experts < 1):
+    if num_experts is not None and (isinstance(num_experts, bool) or
+                                    not isinstance(num_experts, int) or num_experts < 1):
         raise ValueError(f"{fn}: num_experts must be a positive int, got {num_experts!r}")
     n = C.check_num_out_tokens(fn, num_out_tokens)
     if n is None:
@@ -278,6 +279,7 @@ def moe_permute_and_pad_with_probs(
     fn = "moe_permute_and_pad_with_probs"
     if isinstance(align_size, bool) or not isinstance(align_size, int) or align_size < 1:
         raise ValueError(f"{fn}: align_size must be a positive int, got {align_size!r}")
+    num_out_tokens = C.check_num_out_tokens(fn, num_out_tokens)  # -1 (or tensor(-1)): None
     out, pp, rid = _permute(fn, inp, probs, routing_map, "mask", num_out_tokens, None,
                             quantize, quantize_scale, align_size)
     counts = (routing_map != 0).sum(0)

@@ -23,7 +23,7 @@ import torch
 from qmoe._intmath import cdiv, next_pow2
 from qmoe._library import define
 from qmoe.ops import _checks as C
-from qmoe.ops.backend import assert_options, scatter_tile, tail_programs
+from qmoe.ops.backend import assert_options, scatter_tile, tail_programs, unit_stride
 from qmoe.ops.permute_mask import (
     _backward,
     _setup,
@@ -68,14 +68,7 @@ def permute_index_triton(
     if t == 0 or k == 0:
         return no_routes(outputs)
     ns = so.shape[1] if side is not None else 0
-    if ids.stride(1) != 1:
-        ids = ids.contiguous()
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    if side is not None and side.stride(1) != 1:
-        side = side.contiguous()
-    if probs is not None and probs.stride(1) != 1:
-        probs = probs.contiguous()  # the kernel reads probs[t, k] at unit column stride
+    ids, x, side, probs = unit_stride(ids), unit_stride(x), unit_stride(side), unit_stride(probs)
     pdl = pdl_default(x) if pdl is None else pdl
     before, total = index_block_counts(ids, e, block_t, map_tiling(t, e).num_warps, pdl)
     bh, _, kb = scatter_tile(h, x.element_size(), False)

@@ -16,7 +16,7 @@ import torch
 
 from qmoe._intmath import cdiv, next_pow2
 from qmoe._library import define
-from qmoe.ops.backend import assert_options, scatter_tile, tail_programs
+from qmoe.ops.backend import assert_options, scatter_tile, tail_programs, unit_stride
 from qmoe.ops.row_id_map import (
     MapTiling,
     block_counts,
@@ -99,10 +99,7 @@ def permute_mask_triton(
         return no_routes(outputs)
     ns = so.shape[1] if side is not None else 0
     m = mask_operand(mask)
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    if side is not None and side.stride(1) != 1:
-        side = side.contiguous()
+    x, probs, side = unit_stride(x), unit_stride(probs), unit_stride(side)
     be = next_pow2(e)
     bt, map_warps, _ = tiling or fused_map_tiling(t, e)
     bh, _, kb = scatter_tile(h, x.element_size(), False)

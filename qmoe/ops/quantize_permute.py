@@ -17,7 +17,7 @@ import torch
 
 from qmoe._intmath import cdiv, next_pow2
 from qmoe._library import define
-from qmoe.ops.backend import assert_options
+from qmoe.ops.backend import assert_options, unit_stride
 from qmoe.ops.row_id_map import num_slots
 from qmoe.tensors.quantize import (
     EPS,
@@ -96,8 +96,7 @@ def quantize_permute_triton(x, rid, probs, n, block_size, fp8_dtype, scale_mode,
                                     poison)
     if n == 0:
         return q.view(fp8_dtype), s_out, pp
-    if x.stride(1) != 1:
-        x = x.contiguous()
+    x, probs, rid = unit_stride(x), unit_stride(probs), rid.contiguous()
     given, has_p, has_f = scale_mode == "given", probs is not None, fill is not None
     written = fill if has_f else torch.zeros(n, dtype=torch.int8, device=x.device)
     consts = _consts(x, fp8_dtype, scale_mode, bs, nb, tile)
@@ -144,8 +143,7 @@ def quantize_permute_mask_triton(x, mask, n, align_size, probs, block_size, fp8_
                                     poison)
     rid = mask.new_empty((t, 2 * e + 1), dtype=torch.int32)
     m = mask_operand(mask)
-    if x.stride(1) != 1:
-        x = x.contiguous()
+    x, probs = unit_stride(x), unit_stride(probs)
     bt, map_warps, _ = tiling or fused_map_tiling(t, e)
     small = one_launch if one_launch is not None else small_mask(m)
     pdl = not small and (pdl_default(x) if pdl is None else pdl)

@@ -37,6 +37,7 @@ import torch
 
 from qmoe._intmath import cdiv, next_pow2, prev_pow2
 from qmoe._library import define
+from qmoe.ops._checks import check_values
 
 
 def _compact(dst: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
@@ -90,6 +91,11 @@ def _mask_rows(routing_map: torch.Tensor, num_out_tokens: int, align_size: int) 
 def _index_rows(routing_map: torch.Tensor, num_out_tokens: int) -> torch.Tensor:
     t, k = routing_map.shape
     big = torch.iinfo(torch.int32).max
+    if routing_map.dtype == torch.int64 and routing_map.numel():
+        # int32 sort keys (faster on CUDA): a larger id would wrap (no host sync: an async
+        # assert on CUDA, a ValueError on CPU)
+        check_values("make_row_id_map", routing_map.max() < big,
+                     f"routing_map ids must be < {big} (pass num_experts to check them)")
     ids = routing_map.to(torch.int32)
     # Each token's slots by expert (stable: equal ids keep slot order), unrouted (-1) last:
     # the kept routes come out packed to the front and in row order, as the map wants.

@@ -11,7 +11,7 @@ import torch
 from qmoe._intmath import cdiv, next_pow2
 from qmoe._library import define
 from qmoe.ops import _checks as C
-from qmoe.ops.backend import assert_options, gather_rows
+from qmoe.ops.backend import assert_options, gather_rows, unit_stride
 
 #: Most chunks the one-launch Triton sort takes (every program holds the C sizes and the
 #: order in registers); more go through ``chunk_source_rows`` and ``gather_rows``.
@@ -84,10 +84,9 @@ def sort_chunks_triton(
         if side is not None:
             side_out.copy_(side)
         return out, pp.copy_(probs) if probs is not None else pp
-    if inp.stride(1) != 1:
-        inp = inp.contiguous()
-    if probs is not None:
-        probs = probs.contiguous()  # the kernel reads probs[src] at unit stride
+    # the kernel steps columns, probs and the chunk tables by 1 (rows by their stride)
+    inp, probs = unit_stride(inp), unit_stride(probs)
+    split_sizes, sorted_index = split_sizes.contiguous(), sorted_index.contiguous()
     views = _int32_views(inp, out) if words else None  # byte rows: 4 bytes a lane
     words = views is not None
     src, dst = views or (inp, out)
@@ -107,8 +106,7 @@ def sort_chunks_triton(
         steps *= max(1, min(8, br // cap, cdiv(t, cap * steps) // 2048))
         br = cap
     has_s = side is not None
-    if has_s and side.stride(1) != 1:
-        side = side.contiguous()
+    side = unit_stride(side)
     if has_s and side_words:  # (views of the caller's side_out: written in place)
         side, side_out = _int32_views(side, side_out) or (side, side_out)
     ns = side.shape[1] if has_s else 0

@@ -11,6 +11,7 @@ from qmoe.ops.backend import (
     merge_backward_tile,
     merge_weight_grad,
     permute_rows,
+    unit_stride,
     unpermute_rows,
     zero_unwritten_rows,
 )
@@ -55,8 +56,7 @@ def merge_backward_triton(
     gw = merging_probs.new_empty((t, p))
     if t == 0:
         return gi.zero_(), gw
-    if merging_probs.stride(1) != 1:
-        merging_probs = merging_probs.contiguous()
+    merging_probs, row_id_map = unit_stride(merging_probs), row_id_map.contiguous()
     tkb, tbh, tnw = merge_backward_tile(h, p)
     written = torch.zeros(n, dtype=torch.int8, device=grad_out.device)
     merge_backward_kernel[(t,)](

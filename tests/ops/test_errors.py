@@ -29,6 +29,8 @@ ids = torch.zeros(6, 2, dtype=torch.long)
          "num_experts=4"),
         (lambda: qmoe.moe_permute(x, ids + 5, 3, map_type="index", num_experts=4), ValueError,
          "num_experts=4"),
+        (lambda: qmoe.moe_permute(x, ids, map_type="index", num_experts=True), ValueError,
+         "num_experts must be a positive int"),
         (lambda: qmoe.moe_permute_with_probs(x, torch.rand(6, 3), mask), ValueError,
          r"probs must be \[T, E\]"),
         (lambda: qmoe.moe_permute_with_probs(x, torch.rand(6, 4).long(), mask), TypeError,

@@ -126,6 +126,14 @@ def test_pad_variant_matches_reference(align, kind):
     assert not out2[ref.shape[0]:].float().any()
     assert isinstance(po2, torch.Tensor) and torch.equal(target2, target)
 
+    # num_out_tokens=-1 is the syncing form, as None: same pad_offsets, same check
+    out3, _, _, po3, _ = qmoe.moe_permute_and_pad_with_probs(x, probs, mask, tpe, align,
+                                                             num_out_tokens=-1)
+    assert_same_bits(out3.cpu(), ref)
+    assert (po3 is None) == (pad_offsets is None)
+    with pytest.raises(ValueError, match="tokens_per_expert does not match"):
+        qmoe.moe_permute_and_pad_with_probs(x, probs, mask, tpe + 1, align, num_out_tokens=-1)
+
 
 def test_empty_inputs():
     x = torch.randn(0, 16, device=DEV)
