@@ -338,7 +338,8 @@ Tensor permute_probs(const Tensor& probs, const Tensor& rid, int64_t n) {
     const scalar_t* p = probs.data_ptr<scalar_t>();
     for_each_route(rid, [&](int64_t t, const int32_t* dst, const int32_t* col, int32_t cnt) {
       for (int32_t s = 0; s < cnt; ++s) {
-        TORCH_CHECK_VALUE(dst[s] >= 0 && dst[s] < n, "qmoe::permute: row_id_map row out of range");
+        TORCH_CHECK_VALUE(dst[s] >= 0 && dst[s] < n, "qmoe::permute: row_id_map row ", dst[s],
+                          " out of range for num_out_tokens=", n, "; rebuild the map for this N");
         check_col(col[s], probs.size(1), t);
         out[dst[s]] = p[t * probs.stride(0) + col[s] * probs.stride(1)];
       }

@@ -13,6 +13,22 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 #: kernels read them as fp32 for the merge, permuted probs keep the probs' dtype
 _PROBS = (*_FLOATS, torch.float64)
 _INTS = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+#: Index-map ids must be below this (the maps key experts on int32, with this value as the
+#: "unrouted" sentinel); checked by the public ops for every id dtype.
+ID_LIMIT = torch.iinfo(torch.int32).max
+
+
+def as_int(fn: str, name: str, v):
+    """``v`` as an int (or SymInt): Python ints, and integer scalars of other types
+    (``numpy.int64``) through ``__index__``; bools and everything else are a TypeError."""
+    if isinstance(v, torch.SymInt):
+        return v
+    if not isinstance(v, bool) and hasattr(type(v), "__index__"):
+        try:
+            return operator.index(v)
+        except TypeError:  # e.g. a numpy array of one element
+            pass
+    raise TypeError(f"{fn}: {name} must be an int, got {type(v).__name__} {v!r}")
 
 
 def is_compiling() -> bool:
@@ -108,8 +124,9 @@ def check_no_nan(fn: str, name: str, probs: torch.Tensor) -> None:
 def check_num_out_tokens(fn: str, num_out_tokens) -> int | None:
     """None or -1 mean 'all routed rows' (counted with one host sync); ints >= 0 size N.
     A 0-d integer tensor (``tokens_per_expert.sum()``, as TransformerEngine takes) is read
-    with ``.item()``: a host sync for a CUDA tensor, refused under torch.compile. Integer
-    scalars of other types (``numpy.int64``) count as ints."""
+    with ``.item()``: a host sync for a CUDA tensor, and a graph break under torch.compile
+    (unless ``torch._dynamo.config.capture_scalar_outputs``). Integer scalars of other
+    types (``numpy.int64``) count as ints."""
     if num_out_tokens is None:
         return None
     if isinstance(num_out_tokens, torch.Tensor):
@@ -118,19 +135,10 @@ def check_num_out_tokens(fn: str, num_out_tokens) -> int | None:
                 f"{fn}: num_out_tokens as a tensor must be 0-d integer, got "
                 f"{num_out_tokens.dtype} {tuple(num_out_tokens.shape)}; pass an int"
             )
-        if is_compiling():
-            raise TypeError(
-                f"{fn}: under torch.compile pass num_out_tokens as an int, not a tensor "
-                "(reading its value needs a host sync)"
-            )
-        num_out_tokens = int(num_out_tokens.item())
-    elif (not isinstance(num_out_tokens, (bool, torch.SymInt))
-          and hasattr(type(num_out_tokens), "__index__")):
-        num_out_tokens = operator.index(num_out_tokens)  # numpy and other integer scalars
-    if isinstance(num_out_tokens, bool) or not isinstance(num_out_tokens, (int, torch.SymInt)):
-        raise TypeError(
-            f"{fn}: num_out_tokens must be an int or None, got {type(num_out_tokens).__name__}"
-        )
+        # a host sync; under torch.compile a graph break, unless capture_scalar_outputs
+        # makes it an unbacked SymInt
+        num_out_tokens = num_out_tokens.item()
+    num_out_tokens = as_int(fn, "num_out_tokens (or None)", num_out_tokens)
     if num_out_tokens == -1:
         return None
     if num_out_tokens < 0:

@@ -149,6 +149,7 @@ def permute_rows(
         return out
     x, weights, probs = unit_stride(x), unit_stride(weights), unit_stride(probs)
     rid = rid.contiguous()  # rows of 2S+1 entries
+    fill = fill.contiguous() if fill is not None else None
     bh, nw, kb = scatter_tile(h, x.element_size(), weights is not None)
     has_f = fill is not None
     # Arguments a launch does not use go in as None (Triton makes them compile-time
@@ -157,8 +158,7 @@ def permute_rows(
     written = None if has_f else torch.zeros(n, dtype=torch.int8, device=x.device)
     has_p = probs is not None
     has_s = side is not None
-    if has_s and side.stride(1) != 1:
-        side = side.contiguous()
+    side = unit_stride(side)
     ns = side.shape[1] if has_s else 0
     bs = next_pow2(max(ns, 1))
     progs, r, z = scatter_programs(t, n, fill)

@@ -91,6 +91,9 @@ def _routed_count(fn, routing_map, map_type, num_experts, align_size) -> tuple[i
         count, lo, hi = stats.tolist() if stats is not None else (0, 0, -1)
         if lo < -1:
             raise ValueError(f"{fn}: routing_map holds expert id {lo}; ids must be in [-1, E)")
+        if hi >= C.ID_LIMIT:
+            raise ValueError(f"{fn}: routing_map holds expert id {hi}; ids must be below "
+                             f"{C.ID_LIMIT} (renumber the experts to [0, E))")
         if num_experts is not None and hi >= num_experts:
             raise ValueError(
                 f"{fn}: routing_map holds expert id {hi} but num_experts={num_experts}"
@@ -103,33 +106,37 @@ def _routed_count(fn, routing_map, map_type, num_experts, align_size) -> tuple[i
 
 
 def _check_index_ids(fn, routing_map, num_experts) -> None:
-    """Sync-free form of the id checks (async assert on CUDA)."""
+    """Sync-free form of the id checks (one ``aminmax`` and an async assert on CUDA)."""
     if routing_map.numel() == 0:
         return
-    C.check_values(fn, routing_map.min() >= -1, "routing_map ids must be >= -1")
-    if num_experts is not None:
-        msg = f"routing_map ids must be < num_experts={num_experts}"
-        C.check_values(fn, routing_map.max() < num_experts, msg)
+    lo, hi = torch.aminmax(routing_map)
+    bound = num_experts if num_experts is not None else C.ID_LIMIT
+    what = f"num_experts={num_experts}" if num_experts is not None else (
+        f"{C.ID_LIMIT} (renumber the experts to [0, E))")
+    C.check_values(fn, (lo >= -1) & (hi < bound), f"routing_map ids must be >= -1 and < {what}")
 
 
 def _out_rows(fn, inp, routing_map, map_type, num_out_tokens, num_experts, align_size=1):
-    """Checks; N (counted with a host sync when ``num_out_tokens`` is None)."""
+    """Checks; ``(N, num_experts)`` as ints (N counted with a host sync when
+    ``num_out_tokens`` is None)."""
     C.check_input(fn, inp)
     C.check_routing_map(fn, inp, routing_map, map_type)
-    if num_experts is not None and (isinstance(num_experts, bool) or
-                                    not isinstance(num_experts, int) or num_experts < 1):
-        raise ValueError(f"{fn}: num_experts must be a positive int, got {num_experts!r}")
+    if num_experts is not None:
+        num_experts = C.as_int(fn, "num_experts (or None)", num_experts)
+        if num_experts < 1:
+            raise ValueError(f"{fn}: num_experts must be a positive int, got {num_experts}")
     n = C.check_num_out_tokens(fn, num_out_tokens)
     if n is None:
         if C.is_compiling():
             raise ValueError(
-                f"{fn}: under torch.compile pass num_out_tokens (an int bound, e.g. T*K): "
+                f"{fn}: under torch.compile or torch.export pass num_out_tokens (an int "
+                "bound, e.g. T*K): "
                 "counting the routed rows needs a host sync"
             )
         n, _ = _routed_count(fn, routing_map, map_type, num_experts, align_size)
     elif map_type == "index":
         _check_index_ids(fn, routing_map, num_experts)
-    return n
+    return n, num_experts
 
 
 #: Whether CUDA index maps with ``num_experts`` given take ``qmoe::permute_index`` (the map
@@ -148,7 +155,8 @@ def _map_in_scatter(inp, map_type: str) -> bool:
 def _permute(fn, inp, probs, routing_map, map_type, num_out_tokens, num_experts, quantize,
              quantize_scale, align_size=1):
     """``(output [N, H], permuted_probs [N] or empty, row_id_map)`` of the public functions."""
-    n = _out_rows(fn, inp, routing_map, map_type, num_out_tokens, num_experts, align_size)
+    n, num_experts = _out_rows(fn, inp, routing_map, map_type, num_out_tokens, num_experts,
+                               align_size)
     # On CUDA the permute kernels check the probs of the routes they move (assert_probs_not_nan, a
     # device assert: no extra pass over probs); elsewhere every entry is checked here.
     C.check_probs(fn, "probs", probs, inp.shape[0], routing_map.shape[1], inp,
@@ -195,7 +203,7 @@ def moe_permute(
             (never written, and zero in unpermute and the backward) and rows no route
             fills are zero, so a fixed-size buffer is always safe. A 0-d integer tensor
             (TransformerEngine's callers pass ``tokens_per_expert.sum()``) is read with
-            ``.item()``: a host sync for a CUDA tensor, and refused under torch.compile.
+            ``.item()``: a host sync for a CUDA tensor, a graph break under torch.compile.
         max_token_num: accepted for TransformerEngine compatibility; qmoe keeps no
             workspace, so it is unused.
         map_type: ``"mask"`` or ``"index"``.
@@ -277,15 +285,12 @@ def moe_permute_and_pad_with_probs(
       are dropped, and ``pad_offsets`` is always a tensor.
     """
     fn = "moe_permute_and_pad_with_probs"
-    if isinstance(align_size, bool) or not isinstance(align_size, int) or align_size < 1:
-        raise ValueError(f"{fn}: align_size must be a positive int, got {align_size!r}")
+    align_size = C.as_int(fn, "align_size", align_size)
+    if align_size < 1:
+        raise ValueError(f"{fn}: align_size must be a positive int, got {align_size}")
     num_out_tokens = C.check_num_out_tokens(fn, num_out_tokens)  # -1 (or tensor(-1)): None
-    out, pp, rid = _permute(fn, inp, probs, routing_map, "mask", num_out_tokens, None,
-                            quantize, quantize_scale, align_size)
-    counts = (routing_map != 0).sum(0)
-    target = (counts + align_size - 1) // align_size * align_size
-    pads = target - counts
-    pad_offsets = torch.cumsum(pads, 0) - pads
+    C.check_input(fn, inp)
+    C.check_routing_map(fn, inp, routing_map, "mask")
     if tokens_per_expert is not None:
         # on the CPU or inp's device: Megatron's DeepEP path builds it on the CPU
         # (TransformerEngine moves it to inp's device); qmoe only checks it, on the sync
@@ -297,14 +302,28 @@ def moe_permute_and_pad_with_probs(
                 f"{fn}: tokens_per_expert must be [E] = [{routing_map.shape[1]}], got "
                 f"{tuple(tokens_per_expert.shape)}"
             )
-    if num_out_tokens is None:  # TransformerEngine's form: it synced already, check too
-        if tokens_per_expert is not None and not torch.equal(
-            tokens_per_expert.to(counts.device).long(), counts
-        ):
+    counts = (routing_map != 0).sum(0)
+    target = (counts + align_size - 1) // align_size * align_size
+    pads = target - counts
+    pad_offsets = torch.cumsum(pads, 0) - pads
+    if num_out_tokens is None:  # TransformerEngine's form: N and the checks on one sync
+        if C.is_compiling():
+            raise ValueError(f"{fn}: under torch.compile or torch.export pass num_out_tokens "
+                             "(an upper bound on the padded rows): counting them needs a "
+                             "host sync")
+        on_dev = tokens_per_expert is not None and tokens_per_expert.device == counts.device
+        host = torch.cat([counts, tokens_per_expert.long()] if on_dev else [counts]).cpu()
+        counts_h = host[: counts.shape[0]]
+        tpe_h = host[counts.shape[0]:] if on_dev else tokens_per_expert
+        if tpe_h is not None and not torch.equal(tpe_h.long(), counts_h):
             raise ValueError(
                 f"{fn}: tokens_per_expert does not match routing_map's column counts; pass "
                 "routing_map.sum(0) (or None)"
             )
-        if not bool(pads.any()):
+        target_h = (counts_h + align_size - 1) // align_size * align_size
+        num_out_tokens = int(target_h.sum())
+        if not bool((target_h != counts_h).any()):
             pad_offsets = None
+    out, pp, rid = _permute(fn, inp, probs, routing_map, "mask", num_out_tokens, None,
+                            quantize, quantize_scale, align_size)
     return out, pp, rid, pad_offsets, target

@@ -97,6 +97,7 @@ def quantize_permute_triton(x, rid, probs, n, block_size, fp8_dtype, scale_mode,
     if n == 0:
         return q.view(fp8_dtype), s_out, pp
     x, probs, rid = unit_stride(x), unit_stride(probs), rid.contiguous()
+    fill = fill.contiguous() if fill is not None else None
     given, has_p, has_f = scale_mode == "given", probs is not None, fill is not None
     written = fill if has_f else torch.zeros(n, dtype=torch.int8, device=x.device)
     consts = _consts(x, fp8_dtype, scale_mode, bs, nb, tile)

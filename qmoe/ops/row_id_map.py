@@ -37,7 +37,6 @@ import torch
 
 from qmoe._intmath import cdiv, next_pow2, prev_pow2
 from qmoe._library import define
-from qmoe.ops._checks import check_values
 
 
 def _compact(dst: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
@@ -91,11 +90,7 @@ def _mask_rows(routing_map: torch.Tensor, num_out_tokens: int, align_size: int) 
 def _index_rows(routing_map: torch.Tensor, num_out_tokens: int) -> torch.Tensor:
     t, k = routing_map.shape
     big = torch.iinfo(torch.int32).max
-    if routing_map.dtype == torch.int64 and routing_map.numel():
-        # int32 sort keys (faster on CUDA): a larger id would wrap (no host sync: an async
-        # assert on CUDA, a ValueError on CPU)
-        check_values("make_row_id_map", routing_map.max() < big,
-                     f"routing_map ids must be < {big} (pass num_experts to check them)")
+    # int32 sort keys (faster on CUDA): the public ops check ids < big (_checks.ID_LIMIT)
     ids = routing_map.to(torch.int32)
     # Each token's slots by expert (stable: equal ids keep slot order), unrouted (-1) last:
     # the kept routes come out packed to the front and in row order, as the map wants.
@@ -297,7 +292,7 @@ def _index_rows_triton(routing_map: torch.Tensor, num_out_tokens: int):
     from qmoe.ops._kernels.row_id_map import index_row_id_map_small_kernel
 
     t, k = routing_map.shape
-    ids = routing_map if routing_map.stride(1) == 1 else routing_map.contiguous()
+    ids = routing_map if routing_map.stride(1) == 1 or k <= 1 else routing_map.contiguous()
     rid = ids.new_empty((t, 2 * k + 1), dtype=torch.int32)
     fill = rid.new_empty((1, 2))
     bk = next_pow2(k)

@@ -197,9 +197,9 @@ def _sort_chunks(
 
 
 @_sort_chunks.register_fake
-def _(inp, split_sizes, sorted_index, probs):
-    pp = torch.empty_like(probs) if probs is not None else inp.new_empty(0)
-    return torch.empty_like(inp), pp
+def _(inp, split_sizes, sorted_index, probs):  # outputs contiguous whatever inp's strides
+    pp = probs.new_empty(probs.shape) if probs is not None else inp.new_empty(0)
+    return inp.new_empty(inp.shape), pp
 
 
 def _setup(ctx, inputs, output):
@@ -238,8 +238,8 @@ def _sort_chunks_backward(
 
 @_sort_chunks_backward.register_fake
 def _(grad_out, split_sizes, sorted_index, grad_probs):
-    gp = torch.empty_like(grad_probs) if grad_probs is not None else grad_out.new_empty(0)
-    return torch.empty_like(grad_out), gp
+    gp = grad_probs.new_empty(grad_probs.shape) if grad_probs is not None else grad_out.new_empty(0)
+    return grad_out.new_empty(grad_out.shape), gp
 
 
 def _moved_back(op: str):
@@ -286,8 +286,8 @@ def _sort_chunks_rows(
 
 @_sort_chunks_rows.register_fake
 def _(inp, side, split_sizes, sorted_index, probs):
-    pp = torch.empty_like(probs) if probs is not None else inp.new_empty(0)
-    return torch.empty_like(inp), torch.empty_like(side), pp
+    pp = probs.new_empty(probs.shape) if probs is not None else inp.new_empty(0)
+    return inp.new_empty(inp.shape), side.new_empty(side.shape), pp
 
 
 def _check(fn, inp, split_sizes, sorted_index, probs):

@@ -131,14 +131,18 @@ def test_public_unpermute_takes_a_noncontiguous_map(device):
     assert_same_bits(qmoe.moe_unpermute(out, _col_strided(rid), _col_strided(w)), want)
 
 
-def test_sorting_index_map_refuses_ids_past_int32():
-    """The sorting index map keys on int32: an int64 id of 2**31 or more would wrap (to
-    'unrouted' but counted, or to another expert). It raises instead (an async assert on
-    CUDA); num_experts is the check to pass for ids that large."""
-    from qmoe.ops.row_id_map import _index_rows
-
-    for big in (2**31 - 1, 2**31, 2**40):
-        ids = torch.tensor([[0, big], [1, -1]])
-        with pytest.raises(ValueError, match="ids must be <"):
-            _index_rows(ids, 3)
-    assert _index_rows(torch.tensor([[0, 2**31 - 2], [1, -1]]), 3).shape == (2, 5)
+def test_index_ids_past_int32_raise(device):
+    """Index maps key experts on int32 with 2**31 - 1 as the "unrouted" sentinel: an id that
+    large (int32 included) or larger (int64, wrapped when narrowed) was dropped but counted,
+    or taken for another expert, depending on the path. The public ops refuse it on both
+    the syncing and the sync-free form (an async assert on CUDA)."""
+    x = torch.randn(2, 8, device=device)
+    for big, dtype in ((2**31 - 1, torch.int32), (2**31, torch.int64), (2**40, torch.int64)):
+        ids = torch.tensor([[0, big], [1, -1]], dtype=dtype, device=device)
+        for n in (None, 3):
+            if device == "cuda" and n is not None:
+                continue  # an async device assert: it would end the CUDA context
+            with pytest.raises(ValueError, match="renumber the experts"):
+                qmoe.moe_permute(x, ids, n, map_type="index")
+    ok = torch.tensor([[0, 2**31 - 2], [1, -1]], device=device)
+    assert qmoe.moe_permute(x, ok, 3, map_type="index")[1].shape == (2, 5)

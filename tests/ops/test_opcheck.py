@@ -66,6 +66,9 @@ def _cases():
         order = torch.tensor([2, 0, 1], device=DEV)
         p1 = torch.rand(t, device=DEV, requires_grad=True)
         yield f"sort_chunks-{t}", ops.sort_chunks.default, (x, sizes, order, None)
+        # a column-major inp: the fake's outputs must be contiguous, as the real ones
+        xt = x.detach().t().contiguous().t().requires_grad_()
+        yield f"sort_chunks_colmajor-{t}", ops.sort_chunks.default, (xt, sizes, order, p1)
         yield f"per_tensor_scale-{t}", ops.per_tensor_scale.default, (x.detach(), 448.0, False)
         yield f"sort_chunks_probs-{t}", ops.sort_chunks.default, (x, sizes, order, p1)
         yield (f"sort_chunks_probs_fp64-{t}", ops.sort_chunks.default,
