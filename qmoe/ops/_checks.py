@@ -21,9 +21,11 @@ ID_LIMIT = torch.iinfo(torch.int32).max
 def as_int(fn: str, name: str, v):
     """``v`` as an int (or SymInt): Python ints, and integer scalars of other types
     (``numpy.int64``) through ``__index__``; bools and everything else are a TypeError."""
-    if isinstance(v, torch.SymInt):
+    if isinstance(v, bool):
+        raise TypeError(f"{fn}: {name} must be an int, got bool {v!r}")
+    if isinstance(v, (int, torch.SymInt)):  # (no operator.index: it would specialize a SymInt)
         return v
-    if not isinstance(v, bool) and hasattr(type(v), "__index__"):
+    if hasattr(type(v), "__index__"):
         try:
             return operator.index(v)
         except TypeError:  # e.g. a numpy array of one element
