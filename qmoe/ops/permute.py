@@ -208,8 +208,8 @@ def moe_permute(
             workspace, so it is unused.
         map_type: ``"mask"`` or ``"index"``.
         num_experts: index maps only: ids ``>= num_experts`` raise. Ids below ``-1``
-            always raise (a ``ValueError`` on the syncing path and on CPU; an async device
-            assert on the sync-free CUDA path).
+            and ids ``>= 2**31 - 1`` always raise (a ``ValueError`` on the syncing path and
+            on CPU; an async device assert on the sync-free CUDA path).
         quantize: a recipe (``qmoe.Blockwise()``, ``qmoe.MXFP8()``, ``qmoe.PerTensor()``)
             to quantize ``inp`` (high precision) on the way: each token row is read once
             and its K quantized copies and scale rows are written straight into the
