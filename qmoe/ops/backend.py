@@ -83,7 +83,7 @@ def unit_stride(t: torch.Tensor | None) -> torch.Tensor | None:
     """``t`` (or None) with unit stride along its last dim: the kernels step columns by 1
     and take only a row stride (a copy only for column-strided tensors, e.g. the
     transpose of a contiguous one)."""
-    if t is None or t.shape[-1] <= 1 or t.stride(-1) == 1:
+    if t is None or t.stride(-1) == 1 or t.shape[-1] <= 1:
         return t
     return t.contiguous()
 
