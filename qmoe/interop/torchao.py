@@ -92,7 +92,10 @@ def _rebuild(t: torch.Tensor, data: torch.Tensor, scale: torch.Tensor) -> torch.
                         t.kernel_preference, t.act_quant_kwargs, t.is_swizzled_scales)
     if isinstance(t, AOFloat8Tensor):
         bs = list(t.block_size)
-        if bs[0] != 1:  # per-tensor: the block is the whole tensor
+        # per-tensor (the scale carried over): the block is the whole tensor. A one-row
+        # input's [1, H] block reads as per-tensor and per-row alike (torchao's own
+        # ambiguity); its (1, 1) scale was carried, so the output is per-tensor.
+        if bs[0] != 1 or scale.shape[0] != data.shape[0]:
             bs[0] = data.shape[0]
         return AOFloat8Tensor(data, scale, block_size=bs, mm_config=t.mm_config,
                               act_quant_kwargs=t.act_quant_kwargs,

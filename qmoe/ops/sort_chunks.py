@@ -301,6 +301,7 @@ def _check(fn, inp, split_sizes, sorted_index, probs):
         )
     C.check_same_device(fn, "inp", inp, split_sizes=split_sizes, sorted_index=sorted_index)
     if probs is not None:
+        C.check_not_quantized(fn, "probs", probs)
         C.check_tensor(fn, "probs", probs, ndim=1, dtypes=C._PROBS)
         if probs.shape[0] != inp.shape[0]:
             raise ValueError(

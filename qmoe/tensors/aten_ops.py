@@ -51,7 +51,7 @@ def _clone(func, types, args, kwargs):
     fmt = kwargs.get("memory_format", torch.preserve_format)
     if fmt not in (torch.preserve_format, torch.contiguous_format):
         raise ValueError(f"clone: quantized tensors support contiguous layouts only, got {fmt}")
-    return args[0].map_rows(lambda t: t.clone())
+    return args[0].map_rows(lambda t: t.clone(memory_format=fmt))
 
 
 @implements(aten._to_copy.default)

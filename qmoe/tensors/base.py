@@ -185,6 +185,7 @@ class QuantizedTensor(torch.Tensor):
         self = torch.Tensor._make_wrapper_subclass(
             cls,
             qdata.shape,
+            strides=qdata.stride(),  # the wrapper's layout is its data's (views, compile)
             dtype=attrs[0],
             device=qdata.device,
             requires_grad=requires_grad,

@@ -245,7 +245,10 @@ class _Quantize(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, recipe, scale):
         if isinstance(recipe, PerTensor):
-            s = per_tensor_scale(x, recipe) if scale is None else scale.float().reshape(())
+            # a given scale is copied: a delayed-scaling update of the caller's tensor in
+            # place must not change tensors already quantized with it (as the fused path)
+            s = per_tensor_scale(x, recipe) if scale is None else (
+                scale.detach().float().reshape(()).clone())
             q = torch.ops.qmoe.quantize_with_scale(x, s, recipe.fp8_dtype)
             return Float8Tensor(q, s, x.dtype)
         q, s = torch.ops.qmoe.quantize_blocks(

@@ -156,6 +156,20 @@ def test_fused_permute_ops_take_torchao_rows(name):
         torch.ops.qmoe.permute_mask(src, mask, None, torch.zeros(t, 2), routed, 1)
 
 
+@pytest.mark.parametrize("gran", [PerTensor(), PerRow()], ids=["pertensor", "perrow"])
+def test_one_row_float8_tensor_stays_consistent(gran):
+    """A one-token input's [1, H] block reads as per-tensor and per-row alike; its (1, 1)
+    scale is carried, so the N-row output must say per-tensor ([N, H] block). It kept
+    [1, H] (per-row) with one scale for N rows: torchao read it as row-wise."""
+    from torchao.float8.inference import _is_rowwise_scaled, _is_tensorwise_scaled
+
+    a = AOFloat8Tensor.from_hp(torch.randn(1, 64, dtype=torch.bfloat16), granularity=gran)
+    out, _ = qmoe.moe_permute(a, torch.ones(1, 3, dtype=torch.bool))
+    assert list(out.block_size) == [3, 64] and tuple(out.scale.shape) == (1, 1)
+    assert _is_tensorwise_scaled(out) and not _is_rowwise_scaled(out)
+    assert torch.equal(out.dequantize(), a.dequantize().expand(3, -1))
+
+
 def test_conventions_and_zero_copy_conversions():
     x = torch.randn(64, 128, dtype=torch.bfloat16)
     for name in ("ao-pertensor", "ao-perrow", "ao-block1x32-e5m2", "mx-e4m3"):

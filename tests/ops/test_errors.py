@@ -57,6 +57,12 @@ ids = torch.zeros(6, 2, dtype=torch.long)
          "pad_offsets goes with the mask maps"),
         (lambda: qmoe.moe_sort_chunks_by_index(x, torch.tensor([3, 3]), torch.tensor([0])),
          ValueError, "split_sizes and sorted_index"),
+        (lambda: qmoe.moe_sort_chunks_by_index_with_probs(
+            x, qmoe.quantize(torch.rand(6), qmoe.PerTensor()), torch.tensor([3, 3]),
+            torch.tensor([1, 0])), TypeError, "only inp may be quantized"),
+        (lambda: qmoe.moe_sort_chunks_by_index_with_probs(
+            qmoe.quantize(x, qmoe.PerTensor()), qmoe.quantize(torch.rand(6), qmoe.PerTensor()),
+            torch.tensor([3, 3]), torch.tensor([1, 0])), TypeError, "only inp may be quantized"),
         (lambda: qmoe.moe_sort_chunks_by_index(x, torch.tensor([4, 3]), torch.tensor([1, 0])),
          ValueError, "sum to at most"),
         (lambda: qmoe.moe_sort_chunks_by_index(x, torch.tensor([3, 3]), torch.tensor([1, 2])),

@@ -153,6 +153,20 @@ def test_detach_clone_to_contiguous(name):
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
+def test_strided_rows_report_their_layout(name):
+    """The wrapper's strides are its qdata's: a row-strided view is not contiguous, and
+    .contiguous() gives a fresh contiguous copy (it returned the view itself, qdata still
+    strided, when the wrapper always claimed contiguous strides)."""
+    q = _q(name, 10, 96)
+    v = q[::2]
+    assert v.stride() == v.qdata.stride() and not v.is_contiguous()
+    c = v.contiguous()
+    assert c.is_contiguous() and c.qdata.is_contiguous()
+    assert_same_quantized(c, v)
+    assert q.is_contiguous() and q.contiguous() is q
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
 def test_empty_like_and_copy(name):
     q = _q(name, 6, 129)
     e = torch.empty_like(q)

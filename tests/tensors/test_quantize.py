@@ -118,6 +118,11 @@ def test_per_tensor_given_scale():
     q = qmoe.quantize(x, qmoe.PerTensor(), scale=s)
     assert q.scale.item() == 0.25
     assert_same_bits(q.qdata, (x / 0.25).clamp(-448, 448).to(torch.float8_e4m3fn))
+    # the scale is copied: updating the caller's tensor in place (delayed scaling) leaves
+    # tensors already quantized with it unchanged
+    before = q.dequantize().clone()
+    s.mul_(2)
+    assert_same_bits(q.dequantize(), before)
 
 
 def test_saturation_and_zeros():
