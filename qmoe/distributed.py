@@ -13,9 +13,9 @@ experts (expert ``e`` lives on rank ``e // L``), R rows received by a rank.
 ``combine`` runs it backwards: sort back, all-to-all back, ``moe_unpermute`` with the
 router probs as merging probs. FP8 inputs (``qmoe.quantize`` output) travel quantized:
 ``qdata`` bits and block-scale rows are sent as their own tensors and rewrapped on
-arrival (about half the bytes of bf16). Per-tensor scales differ between ranks, so rows
-from rank j are rescaled on arrival by ``s_j / max(s)`` (bit-exact when all scales are
-equal, e.g. with a globally agreed scale). Autograd runs through the whole path: the
+arrival (about half the bytes of bf16). Per-tensor scales differ between ranks, so rank j
+rescales its rows by ``s_j / max(s)`` before sending (one fp8 rounding; bit-exact when all
+scales are equal, e.g. with a globally agreed scale). Autograd runs through the whole path: the
 backward of an all-to-all is the reverse all-to-all, on high-precision gradients.
 
 Host syncs: the default path reads the split sizes on the host once per ``dispatch``
@@ -50,21 +50,20 @@ def _a2a_rows(x: torch.Tensor, out_splits, in_splits, group) -> torch.Tensor:
     """All-to-all of rows; quantized rows travel as fp8 bits plus scale rows."""
     if not isinstance(x, QuantizedTensor):
         return _a2a_plain(x, out_splits, in_splits, group)
-    bits = _a2a_plain(x.qdata.view(torch.uint8), out_splits, in_splits, group)
     if x.block_size is not None:
+        bits = _a2a_plain(x.qdata.view(torch.uint8), out_splits, in_splits, group)
         scale = _a2a_plain(x.raw_scale, out_splits, in_splits, group)
         return x._rewrap(bits.view(x.fp8_dtype), scale)
-    # Per-tensor: one scale per sender; bring the rows to the largest one.
+    # Per-tensor: one scale per sender. Every sender brings its rows to the largest scale
+    # before sending (one fp8 rounding), so the receiver needs no per-row sender index:
+    # nothing is read on the host and the capacity path stays capturable.
     world = dist.get_world_size(group)
     parts = [x.raw_scale.new_empty(1) for _ in range(world)]
     dist.all_gather(parts, x.raw_scale.reshape(1).contiguous(), group=group)
-    scales = torch.cat(parts)
-    s_max = scales.amax()
-    factor = torch.repeat_interleave(
-        scales / s_max, torch.tensor(out_splits, device=scales.device), output_size=bits.shape[0]
-    )
-    q = (bits.view(x.fp8_dtype).float() * factor[:, None]).to(x.fp8_dtype)
-    return x._rewrap(q, s_max)
+    s_max = torch.cat(parts).amax()
+    q = (x.qdata.float() * (x.raw_scale.reshape(()) / s_max)).to(x.fp8_dtype)
+    bits = _a2a_plain(q.view(torch.uint8), out_splits, in_splits, group)
+    return x._rewrap(bits.view(x.fp8_dtype), s_max)
 
 
 class _AllToAll(torch.autograd.Function):

@@ -186,6 +186,19 @@ def _worker(rank, world, port, seed, cases, backend="gloo"):
         q = qmoe.quantize(x * (rank + 1), qmoe.PerTensor())  # per-rank scales differ
         expert_in, tpe, h = dispatch(q, probs, mask, L)
         assert type(expert_in) is qmoe.Float8Tensor
+        # bit-exact: every sender's rows rescaled to the largest scale, s_j / max(s), once
+        qs = [qmoe.quantize(d[0] * (j + 1), qmoe.PerTensor()) for j, d in enumerate(data)]
+        s_max = torch.stack([v.raw_scale.reshape(()) for v in qs]).amax()
+        want = []
+        for l_ in range(L):
+            for j, (xj, mj, _) in enumerate(data):
+                out_j, _ = qmoe.moe_permute(qs[j], mj)
+                lo = int(mj[:, : rank * L + l_].sum())
+                rows = out_j.qdata[lo : lo + int(mj[:, rank * L + l_].sum())]
+                want.append((rows.float() * (qs[j].raw_scale / s_max)).to(rows.dtype))
+        assert torch.equal(expert_in.raw_scale.cpu(), s_max)
+        assert torch.equal(expert_in.qdata.cpu().view(torch.uint8),
+                           torch.cat(want).view(torch.uint8))
         y = combine(expert_in.dequantize(), h)
         yr = qmoe.moe_unpermute(*_plain_roundtrip(q, mask), probs)
         torch.testing.assert_close(y.float(), yr.float(), rtol=0.13, atol=0.05)  # one fp8 step
