@@ -191,7 +191,7 @@ def _worker(rank, world, port, seed, cases, backend="gloo"):
         s_max = torch.stack([v.raw_scale.reshape(()) for v in qs]).amax()
         want = []
         for l_ in range(L):
-            for j, (xj, mj, _) in enumerate(data):
+            for j, (_, mj, _) in enumerate(data):
                 out_j, _ = qmoe.moe_permute(qs[j], mj)
                 lo = int(mj[:, : rank * L + l_].sum())
                 rows = out_j.qdata[lo : lo + int(mj[:, rank * L + l_].sum())]
