@@ -8,6 +8,7 @@ PY ?= python3
 
 setup:
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	@$(PY) -c "import setuptools" 2>/dev/null || $(PY) -m pip install -q "setuptools>=64"
 	@if [ "$${QMOE_SKIP_CPP_BUILD:-0}" = 1 ]; then rm -f qmoe/_C*.so; fi
 	$(PY) -m pip install -q --no-build-isolation -e ".[test]"
 

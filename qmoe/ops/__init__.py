@@ -1,6 +1,7 @@
 """MoE permutation as ``torch.library`` custom ops (``qmoe::...``), call-compatible with
-TransformerEngine's ``moe_permute`` family. Triton kernels on CUDA, vectorized torch on
-CPU, and a pure-torch reference in ``qmoe.ops.reference``."""
+TransformerEngine's ``moe_permute`` family. Triton kernels on CUDA, compiled C++ kernels on
+CPU (``csrc/``; vectorized torch when built without them), and a pure-torch reference in
+``qmoe.ops.reference``."""
 
 from qmoe.ops.unpermute import moe_unpermute  # noqa: I001  (defines qmoe::unpermute first)
 from qmoe.ops.permute import moe_permute, moe_permute_and_pad_with_probs, moe_permute_with_probs

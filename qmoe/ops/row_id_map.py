@@ -16,7 +16,8 @@ Routes whose row would be ``>= num_out_tokens`` are dropped: they are absent fro
 so nothing ever writes past the output. T is ``row_id_map.shape[0]``.
 
 The map is built on the input's device with a handful of linear passes (cumulative sums
-over ``[T, S]`` and, for index maps, one stable sort of the ``T*K`` expert ids; on CUDA,
+over ``[T, S]`` and, for index maps, a per-token sort of the K ids and one stable sort of
+the ``T*K`` expert ids; on CUDA,
 Triton kernels: three launches for a mask, or one for a small mask or a small index map,
 whose programs each count over the whole input: quadratic work, kept to small inputs);
 there is no host sync and no workspace kept between calls.

@@ -11,8 +11,8 @@ backward is straight-through (the gradient reaches ``x`` unchanged, in its dtype
   ``[]`` fp32 scale. The dynamic per-tensor recipe computes that scale first from
   ``x.abs().amax()`` (a device reduction, no host sync).
 
-On CPU both run the torch reference below; on CUDA the Triton kernel in
-``qmoe/tensors/_kernels/quantize.py``.
+On CPU both run the C++ kernels (``csrc/``, when built) or else the torch reference below;
+on CUDA the Triton kernel in ``qmoe/tensors/_kernels/quantize.py``.
 """
 
 from __future__ import annotations
