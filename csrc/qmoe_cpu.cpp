@@ -60,6 +60,7 @@ Tensor big_empty(at::IntArrayRef sizes, const at::TensorOptions& opt) {
 // and fence once per token (stream_fence) so the rows are visible before the parallel
 // region ends.
 inline void copy_row(char* dst, const char* src, int64_t bytes, bool stream) {
+  if (bytes == 0) return;  // H = 0: data_ptr() may be null
 #if defined(__SSE2__)
   if (stream && (bytes & 63) == 0 && ((reinterpret_cast<uintptr_t>(dst) |
                              reinterpret_cast<uintptr_t>(src)) & 15) == 0) {
@@ -246,7 +247,11 @@ std::tuple<Tensor, Tensor> index_map(const Tensor& rm, int64_t n) {
 std::tuple<Tensor, Tensor> make_row_id_map(const Tensor& rm, int64_t n, bool is_index, int64_t align) {
   QMOE_CHECK(rm.dim() == 2, "make_row_id_map", "routing_map must be 2-d, got ", rm.sizes());
   QMOE_CHECK(n >= 0, "make_row_id_map", "num_out_tokens must be >= 0, got ", n);
+  QMOE_CHECK(n <= std::numeric_limits<int32_t>::max(), "make_row_id_map",
+             "num_out_tokens must be < 2**31 (row_id_map rows are int32), got ", n);
   QMOE_CHECK(align >= 1, "make_row_id_map", "align_size must be >= 1, got ", align);
+  QMOE_CHECK(align <= std::numeric_limits<int32_t>::max() / std::max<int64_t>(rm.size(-1) + 1, 1),
+             "make_row_id_map", "align_size ", align, " could pad past 2**31 rows");
   if (is_index) {
     switch (rm.scalar_type()) {
       case at::kLong: return index_map<int64_t>(rm, n);
@@ -326,7 +331,7 @@ Tensor permute_rows(const Tensor& inp, const Tensor& rid, int64_t n,
   }
   at::parallel_for(0, n, 256, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r)
-      if (!written[r]) std::memset(o + r * rb, 0, rb);
+      if (!written[r] && rb) std::memset(o + r * rb, 0, rb);
   });
   return out;
 }
@@ -515,6 +520,10 @@ Tensor unpermute_fp8(const Tensor& qbits, const Tensor& scale, const Tensor& rid
   auto q = qbits.contiguous();
   auto sc = scale.contiguous();
   const int64_t h = q.size(1), nrows = q.size(0);
+  QMOE_CHECK(layout == 0 || (sc.dim() == 2 &&
+                               sc.size(1) == h / block_size + (h % block_size != 0)), op,
+             "block scales must be [N, ceil(H / block_size)] = [", nrows, ", ",
+             layout == 0 ? 0 : h / block_size + (h % block_size != 0), "], got ", sc.sizes());
   const int64_t nb = layout == 0 ? 1 : sc.size(-1);
   QMOE_CHECK(layout == 0 ? sc.numel() == 1 : (sc.dim() == 2 && sc.size(0) == nrows), op,
              "scale does not match the rows: ", sc.sizes(), " for qbits ", q.sizes());
@@ -574,7 +583,14 @@ std::tuple<Tensor, Tensor> unpermute_backward(const Tensor& grad, const Tensor& 
                                               const c10::optional<Tensor>& fwd_inp,
                                               int64_t num_rows) {
   const Tensor rid = rid_in.contiguous();
-  check_map("unpermute_backward", rid, grad.size(0));
+  const char* op = "unpermute_backward";
+  QMOE_CHECK(grad.dim() == 2, op, "grad_out must be [T, H], got ", grad.sizes());
+  check_map(op, rid, grad.size(0));
+  check_weights(op, w, rid.size(0), slots_of(rid));
+  QMOE_CHECK(!fwd_inp.has_value() || (fwd_inp->dim() == 2 && fwd_inp->size(0) == num_rows &&
+                                      fwd_inp->size(1) == grad.size(1)),
+             op, "fwd_inp must be [num_rows, H] = [", num_rows, ", ", grad.size(1), "], got ",
+             fwd_inp.has_value() ? fwd_inp->sizes() : at::IntArrayRef{});
   auto gi = permute_rows(grad, rid, num_rows, w);
   if (!w.has_value() || !fwd_inp.has_value()) return {gi, at::empty({0}, grad.options())};
   return {gi, merge_weight_grad(grad, *fwd_inp, rid, w->size(1)).to(w->scalar_type())};
@@ -596,14 +612,19 @@ std::tuple<Tensor, Tensor> sort_chunks(const Tensor& inp, const Tensor& sizes, c
   int64_t total = 0;
   for (int64_t i = 0; i < c; ++i) {
     QMOE_CHECK(s[i] >= 0, op, "split_sizes must be >= 0, got ", s[i]);
+    // checked before the sum (which would overflow for huge sizes)
+    QMOE_CHECK(s[i] <= t - total, op, "split_sizes must sum to at most T=", t);
     start[i] = total;
     total += s[i];
   }
-  QMOE_CHECK(total <= t, op, "split_sizes must sum to at most T=", t, ", got ", total);
   std::vector<int64_t> src(t);
+  std::vector<char> seen(c, 0);
   int64_t r = 0;
   for (int64_t j = 0; j < c; ++j) {
     QMOE_CHECK(k[j] >= 0 && k[j] < c, op, "sorted_index entries must be in [0, ", c, "), got ", k[j]);
+    QMOE_CHECK(!seen[k[j]], op, "sorted_index must be a permutation of 0..", c - 1,
+               " (each chunk once); chunk ", k[j], " repeats");
+    seen[k[j]] = 1;
     for (int64_t q = 0; q < s[k[j]]; ++q) src[r++] = start[k[j]] + q;
   }
   for (; r < t; ++r) src[r] = r;  // rows past the chunks stay in place
@@ -613,7 +634,7 @@ std::tuple<Tensor, Tensor> sort_chunks(const Tensor& inp, const Tensor& sizes, c
   const char* xp = static_cast<const char*>(x.data_ptr());
   char* o = static_cast<char*>(out.data_ptr());
   at::parallel_for(0, t, 256, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) std::memcpy(o + i * rb, xp + src[i] * xs, rb);
+    for (int64_t i = b; i < e; ++i) copy_row(o + i * rb, xp + src[i] * xs, rb, false);
   });
   if (!probs.has_value()) return {out, at::empty({0}, inp.options())};
   auto srct = at::from_blob(src.data(), {t}, at::kLong).clone();

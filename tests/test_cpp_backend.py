@@ -184,3 +184,35 @@ def test_bad_input_is_an_exception_not_a_crash():
         ops.sort_chunks(x, torch.tensor([3, 3]), torch.tensor([0, 1]), None)
     with pytest.raises(ValueError, match="ids must be in"):
         ops.make_row_id_map(torch.tensor([[-3, 0]]), 2, True, 1)
+
+
+def test_sanitizer_findings_raise():
+    """Inputs an ASan/UBSan build of csrc/ showed reading or writing out of bounds (or
+    overflowing) before their checks existed; each is a ValueError now."""
+    x = torch.arange(8.0).reshape(4, 2)
+    with pytest.raises(ValueError, match="chunk 0 repeats"):  # heap overflow of src
+        ops.sort_chunks(x, torch.tensor([4, 0]), torch.tensor([0, 0]), None)
+    for sizes in ([2**62] * 4, [2**63 - 1, 1]):  # the sum wrapped past the T check
+        with pytest.raises(ValueError, match="sum to at most"):
+            ops.sort_chunks(x, torch.tensor(sizes), torch.arange(len(sizes)), None)
+    with pytest.raises(ValueError, match="sum to at most"):  # the public check wrapped too
+        qmoe.moe_sort_chunks_by_index(x, torch.tensor([2**62] * 4), torch.arange(4))
+    q = torch.randint(0, 255, (3, 128), dtype=torch.uint8)
+    m = torch.zeros(3, 2, dtype=torch.bool)
+    m[:, 0] = True
+    _, rid = qmoe.moe_permute(torch.randn(3, 4), m)
+    for layout, scale in ((1, torch.rand(3, 1)), (1, torch.rand(3, 0)), (2, torch.tensor(1.0))):
+        with pytest.raises(ValueError, match="block scales must be"):  # read past the scales
+            ops.unpermute_fp8(q, scale, rid, None, layout, 32, torch.float8_e4m3fn,
+                              torch.float32)
+    rid2 = torch.tensor([[0, -1, 0, -1, 1], [1, 2, 0, 1, 2], [-1, -1, -1, -1, 0]],
+                        dtype=torch.int32)
+    g = torch.randn(3, 64)
+    with pytest.raises(ValueError, match="merging_probs must be"):
+        ops.unpermute_backward(g, rid2, torch.rand(1, 2), torch.randn(3, 64), 3)
+    with pytest.raises(ValueError, match="fwd_inp must be"):
+        ops.unpermute_backward(g, rid2, torch.rand(3, 2), torch.randn(1, 4), 3)
+    with pytest.raises(ValueError, match="could pad past"):  # starts overflowed
+        ops.make_row_id_map(torch.ones(4, 4, dtype=torch.bool), 16, False, 2**62)
+    with pytest.raises(ValueError, match="row_id_map rows are int32"):  # rows truncated
+        ops.make_row_id_map(torch.tensor([[5, 1]]), 10**12, True, 1)

@@ -128,6 +128,13 @@ def _sort_chunks_q(func, args, kwargs):
 )
 def _unpermute_fp8(qbits, scale, row_id_map, merging_probs, layout, block_size, fp8_dtype,
                    out_dtype):
+    if layout != FP8_PER_TENSOR:  # the kernels index scale rows by block (metadata check)
+        nb = -(-qbits.shape[1] // max(block_size, 1))
+        if block_size < 1 or scale.dim() != 2 or tuple(scale.shape) != (qbits.shape[0], nb):
+            raise ValueError(
+                f"qmoe::unpermute_fp8: block scales must be [N, ceil(H / block_size)] = "
+                f"[{qbits.shape[0]}, {nb}], got {tuple(scale.shape)} (block_size {block_size})"
+            )
     return unpermute_fp8_rows(
         qbits, scale, layout, block_size, fp8_dtype, row_id_map, merging_probs, out_dtype
     )

@@ -315,8 +315,10 @@ def _check(fn, inp, split_sizes, sorted_index, probs):
         C.check_no_nan(fn, "probs", probs)
     if split_sizes.numel():
         c = split_sizes.numel()
-        C.check_values(fn, split_sizes.min() >= 0, "split_sizes must be >= 0")
-        C.check_values(fn, split_sizes.sum() <= inp.shape[0],
+        lo, hi = torch.aminmax(split_sizes)
+        C.check_values(fn, lo >= 0, "split_sizes must be >= 0")
+        # each size <= T first: the sum of huge sizes would wrap in int64
+        C.check_values(fn, (hi <= inp.shape[0]) & (split_sizes.sum() <= inp.shape[0]),
                        "split_sizes must sum to at most T, the rows of inp")
         C.check_values(fn, (sorted_index.min() >= 0) & (sorted_index.max() < c),
                        f"sorted_index entries must be in [0, {c})")

@@ -69,6 +69,8 @@ def check_chunks(sizes_ptr, index_ptr, T, C, BLOCK_C: tl.constexpr):
     cm = cj < C
     sz = tl.load(sizes_ptr + cj, mask=cm, other=0).to(tl.int64)
     tl.device_assert(sz >= 0, "qmoe sort_chunks: split_sizes must be >= 0")
+    # each size <= T before the sum (the sum of huge sizes would wrap in int64)
+    tl.device_assert(sz <= T, "qmoe sort_chunks: split_sizes must sum to at most T")
     tl.device_assert(tl.sum(sz, axis=0) <= T,
                      "qmoe sort_chunks: split_sizes must sum to at most T, the rows of inp")
     idx = tl.load(index_ptr + cj, mask=cm, other=BLOCK_C).to(tl.int64)
