@@ -147,6 +147,8 @@ def test_kernel_moves_side_rows(kdevice, h, ns, side_dtype, words, wide, side_wo
 _BAD = {  # (sizes, order, NaN prob): T = 12 rows
     "negative size": ([5, -1, 8], [2, 0, 1], False, "split_sizes must be >= 0"),
     "sizes past T": ([5, 3, 8], [2, 0, 1], False, "sum to at most T"),
+    # sizes whose int64 sum wraps below T: each is checked first
+    "huge sizes": ([2**62, 2**62, 2**62, 2**62], [0, 1, 2, 3], False, "sum to at most T"),
     "index out of range": ([5, 3, 4], [2, 0, 3], False, "permutation of 0..C-1"),
     "repeated index": ([5, 3, 4], [2, 0, 0], False, "permutation of 0..C-1"),
     "NaN prob": ([5, 3, 4], [2, 0, 1], True, "probs holds NaN"),
