@@ -209,7 +209,9 @@ def _capacity_map(mask, counts, world: int, local: int, c: int) -> torch.Tensor:
     """row_id_map whose rows are ``rank * C + position within the rank's rows``; routes
     past position C are dropped. Device ops only."""
     t, e = mask.shape
-    rid, _ = torch.ops.qmoe.make_row_id_map(mask, t * e, False, 1)
+    # every route (T*E bounds them; rows are int32, so at most 2**31 - 1)
+    rid, _ = torch.ops.qmoe.make_row_id_map(mask, min(t * e, torch.iinfo(torch.int32).max),
+                                            False, 1)
     s = num_slots(rid)
     dst, col = rid[:, :s].long(), rid[:, s : 2 * s].long()
     start = torch.cumsum(counts, 0) - counts  # first row of each expert

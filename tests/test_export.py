@@ -65,3 +65,14 @@ print("equal" if torch.equal(got, want) else f"differs: {(got - want).abs().max(
 def test_export_of_quantized_inp_raises_clearly():
     with pytest.raises(NotImplementedError, match="torch.export of a quantized inp"):
         torch.export.export(Block(qmoe.Blockwise()), _inputs())
+
+
+def test_export_with_a_named_token_dim():
+    """Export with T as a named Dim: no argument check may add a guard that narrows T (a
+    `num_out_tokens < 2**31` compare on the SymInt did: export refused the range)."""
+    x, mask, probs, sizes, order = _inputs()
+    t = torch.export.Dim("T", min=2)  # no max: a guard narrowing T is refused
+    dyn = {"x": {0: t}, "mask": {0: t}, "probs": {0: t}, "sizes": None, "order": None}
+    ep = torch.export.export(Block(), (x, mask, probs, sizes, order), dynamic_shapes=dyn)
+    assert torch.equal(ep.module()(x, mask, probs, sizes, order),
+                       Block()(x, mask, probs, sizes, order))

@@ -148,7 +148,9 @@ def check_num_out_tokens(fn: str, num_out_tokens) -> int | None:
             f"{fn}: num_out_tokens must be None (all routed rows), -1 (the same) or >= 0, "
             f"got {num_out_tokens}"
         )
-    if num_out_tokens > ID_LIMIT:
+    # plain ints only: on a SymInt the compare would become a guard narrowing T, which
+    # torch.export with a named Dim refuses (the C++ and map kernels check at run time)
+    if isinstance(num_out_tokens, int) and num_out_tokens > ID_LIMIT:
         raise ValueError(f"{fn}: num_out_tokens must be < 2**31 (row_id_map rows are int32), "
                          f"got {num_out_tokens}")
     return num_out_tokens

@@ -288,8 +288,10 @@ def moe_permute_and_pad_with_probs(
     align_size = C.as_int(fn, "align_size", align_size)
     if align_size < 1:
         raise ValueError(f"{fn}: align_size must be a positive int, got {align_size}")
-    if isinstance(routing_map, torch.Tensor) and routing_map.dim() == 2 and (
-            align_size > C.ID_LIMIT // (routing_map.shape[1] + 1)):
+    # (plain ints only: a guard on a symbolic E would narrow it, which export refuses)
+    if (isinstance(routing_map, torch.Tensor) and routing_map.dim() == 2
+            and isinstance(routing_map.shape[1], int) and isinstance(align_size, int)
+            and align_size > C.ID_LIMIT // (routing_map.shape[1] + 1)):
         raise ValueError(f"{fn}: align_size {align_size} could pad past 2**31 rows "
                          "(row_id_map rows are int32); use the grouped GEMM's alignment")
     num_out_tokens = C.check_num_out_tokens(fn, num_out_tokens)  # -1 (or tensor(-1)): None

@@ -51,7 +51,10 @@ def _clone(func, types, args, kwargs):
     fmt = kwargs.get("memory_format", torch.preserve_format)
     if fmt not in (torch.preserve_format, torch.contiguous_format):
         raise ValueError(f"clone: quantized tensors support contiguous layouts only, got {fmt}")
-    return args[0].map_rows(lambda t: t.clone(memory_format=fmt))
+    x = args[0]
+    if x.block_size is None:  # a clone owns its per-tensor scale too (no in-place aliasing)
+        return x._rewrap(x.qdata.clone(memory_format=fmt), x.raw_scale.clone())
+    return x.map_rows(lambda t: t.clone(memory_format=fmt))
 
 
 @implements(aten._to_copy.default)

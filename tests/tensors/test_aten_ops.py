@@ -146,6 +146,7 @@ def test_detach_clone_to_contiguous(name):
         assert_same_quantized(out, q)
     c = q.clone()
     assert c.qdata.data_ptr() != q.qdata.data_ptr()
+    assert c.raw_scale.data_ptr() != q.raw_scale.data_ptr()  # per-tensor scales too
     f = q.to(torch.float32)
     assert type(f) is torch.Tensor and f.dtype == torch.float32
     assert torch.equal(f, q.dequantize(torch.float32))
