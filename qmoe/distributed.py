@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from qmoe.ops import moe_permute, moe_sort_chunks_by_index, moe_unpermute
+from qmoe.ops._checks import ID_LIMIT
 from qmoe.ops.row_id_map import _compact, num_slots
 from qmoe.tensors.base import QuantizedTensor
 
@@ -210,8 +211,7 @@ def _capacity_map(mask, counts, world: int, local: int, c: int) -> torch.Tensor:
     past position C are dropped. Device ops only."""
     t, e = mask.shape
     # every route (T*E bounds them; rows are int32, so at most 2**31 - 1)
-    rid, _ = torch.ops.qmoe.make_row_id_map(mask, min(t * e, torch.iinfo(torch.int32).max),
-                                            False, 1)
+    rid, _ = torch.ops.qmoe.make_row_id_map(mask, min(t * e, ID_LIMIT), False, 1)
     s = num_slots(rid)
     dst, col = rid[:, :s].long(), rid[:, s : 2 * s].long()
     start = torch.cumsum(counts, 0) - counts  # first row of each expert

@@ -97,10 +97,11 @@ def _routes(rid: torch.Tensor, *probs: torch.Tensor | None):
     valid = dst >= 0
     tok = torch.arange(rid.shape[0], device=rid.device)[:, None].expand(-1, s)
     col = rid[:, s : 2 * s][valid].long()
-    for p in probs:
-        if p is not None and col.numel() and (int(col.min()) < 0
-                                              or int(col.max()) >= p.shape[1]):
-            raise ValueError(f"qmoe: row_id_map names probs columns outside [0, {p.shape[1]}); "
+    widths = [p.shape[1] for p in probs if p is not None]
+    if widths and col.numel():
+        lo, hi = (int(v) for v in torch.aminmax(col))
+        if lo < 0 or hi >= min(widths):
+            raise ValueError(f"qmoe: row_id_map names probs columns outside [0, {min(widths)}); "
                              "pass the row_id_map qmoe built with these probs' routing")
     return tok[valid], dst[valid].long(), col
 

@@ -317,16 +317,17 @@ def moe_permute_and_pad_with_probs(
             raise ValueError(f"{fn}: under torch.compile or torch.export pass num_out_tokens "
                              "(an upper bound on the padded rows): counting them needs a "
                              "host sync")
+        e = counts.shape[0]
         on_dev = tokens_per_expert is not None and tokens_per_expert.device == counts.device
-        host = torch.cat([counts, tokens_per_expert.long()] if on_dev else [counts]).cpu()
-        counts_h = host[: counts.shape[0]]
-        tpe_h = host[counts.shape[0]:] if on_dev else tokens_per_expert
+        host = torch.cat([counts, target, tokens_per_expert.long()] if on_dev
+                         else [counts, target]).cpu()
+        counts_h, target_h = host[:e], host[e : 2 * e]
+        tpe_h = host[2 * e :] if on_dev else tokens_per_expert
         if tpe_h is not None and not torch.equal(tpe_h.long(), counts_h):
             raise ValueError(
                 f"{fn}: tokens_per_expert does not match routing_map's column counts; pass "
                 "routing_map.sum(0) (or None)"
             )
-        target_h = (counts_h + align_size - 1) // align_size * align_size
         num_out_tokens = int(target_h.sum())
         if not bool((target_h != counts_h).any()):
             pad_offsets = None
