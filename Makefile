@@ -8,7 +8,10 @@ PY ?= python3
 
 setup:
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
-	@$(PY) -c "import setuptools" 2>/dev/null || $(PY) -m pip install -q "setuptools>=64"
+	@# setuptools >= 70.1 builds editable wheels without the separate `wheel` package (a new
+	@# venv of Python 3.11 ships 65.5, which fails with "invalid command 'bdist_wheel'").
+	@$(PY) -c "import setuptools as s, sys; sys.exit(tuple(map(int, s.__version__.split('.')[:2])) < (70, 1))" 2>/dev/null \
+		|| $(PY) -m pip install -q "setuptools>=70.1"
 	@if [ "$${QMOE_SKIP_CPP_BUILD:-0}" = 1 ]; then rm -f qmoe/_C*.so; fi
 	$(PY) -m pip install -q --no-build-isolation -e ".[test]"
 
