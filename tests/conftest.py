@@ -45,6 +45,25 @@ def interpreted_kernels_off() -> bool:
     return not torch.cuda.is_available() and os.environ.get("QMOE_KERNEL_TESTS") == "0"
 
 
+def _version(mod) -> tuple[int, int]:
+    return tuple(int(p) for p in mod.__version__.split(".")[:2])
+
+
+def interpreter_mismatch() -> str | None:
+    """Why the Triton interpreter cannot run our kernels here, or None. Tritons before 3.7
+    turn a loaded scalar used as a loop bound into a Python int with ``int()`` on a
+    1-element array, which numpy 2.4 refuses ("only 0-dimensional arrays can be converted
+    to Python scalars"): every kernel with a data-dependent loop fails. Seen with Triton
+    3.6.0 + numpy 2.4.6; numpy 2.3.5 and Triton 3.7.0-3.9 work."""
+    import numpy
+    import triton
+
+    if _version(triton) < (3, 7) and _version(numpy) >= (2, 4):
+        return (f"Triton {triton.__version__}'s interpreter fails with numpy {numpy.__version__}: "
+                "install numpy<2.4 (pip install 'numpy<2.4') or triton>=3.7")
+    return None
+
+
 @pytest.fixture
 def kdevice():
     if interpreted_kernels_off():
@@ -52,6 +71,8 @@ def kdevice():
     dev = kernel_device()
     if dev is None:
         pytest.skip("needs CUDA or TRITON_INTERPRET=1 to run Triton kernels")
+    if dev == "cpu" and (why := interpreter_mismatch()):
+        pytest.fail(why, pytrace=False)
     return dev
 
 
