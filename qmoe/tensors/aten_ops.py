@@ -35,10 +35,20 @@ def _leading_dim(x: QuantizedTensor, dim: int, op: str) -> int:
     return d
 
 
-def _along(x: QuantizedTensor, dim: int, op: str, fn):
-    """Apply ``fn(t, d)`` to qdata and to block scales along leading dim ``d``."""
-    d = _leading_dim(x, dim, op)
-    return x.map_rows(lambda t: fn(t, d))
+_ONE_BYTE_FLOATS = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu)
+
+
+def _bytewise(fn):
+    """``fn`` run on a ``uint8`` view of fp8 / e8m0 data and viewed back (bit-identical):
+    torch 2.9's CPU ``index`` has no kernel for these dtypes ('"index_cpu" not implemented
+    for 'Float8_e4m3fn''); the gathers below go through bytes on every version."""
+
+    def run(t: torch.Tensor) -> torch.Tensor:
+        if t.dtype in _ONE_BYTE_FLOATS:
+            return fn(t.view(torch.uint8)).view(t.dtype)
+        return fn(t)
+
+    return run
 
 
 @implements([aten.detach.default, aten.alias.default])
@@ -142,7 +152,8 @@ def _split(func, types, args, kwargs):
 @implements(aten.index_select.default)
 def _index_select(func, types, args, kwargs):
     x, dim, index = args
-    return _along(x, dim, "index_select", lambda t, d: func(t, d, index))
+    d = _leading_dim(x, dim, "index_select")
+    return x.map_rows(_bytewise(lambda t: func(t, d, index)))
 
 
 @implements(aten.index.Tensor)
@@ -153,7 +164,7 @@ def _index(func, types, args, kwargs):
             f"advanced indexing along the last dim (H) of a {type(x).__name__} would cut "
             "through its scale blocks; index leading dims only"
         )
-    return x.map_rows(lambda t: func(t, indices))
+    return x.map_rows(_bytewise(lambda t: func(t, indices)))
 
 
 def _check_same_layout(tensors, op: str) -> QuantizedTensor:

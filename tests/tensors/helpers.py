@@ -18,8 +18,15 @@ LAYOUTS = {k: RECIPES[k] for k in ("pertensor-e4m3", "blockwise-e4m3", "mx-e4m3"
 
 def bits(t: torch.Tensor) -> torch.Tensor:
     """Raw bytes of a tensor, for bit-exact comparison (NaN == NaN)."""
-    t = t.contiguous()
-    return t.reshape(-1).view(torch.uint8) if t.numel() else t.reshape(-1).view(torch.uint8)
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def take_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``t.index_select(0, index)``, through a uint8 view for 1-byte dtypes (torch 2.9's
+    CPU index kernels do not take fp8 / e8m0)."""
+    if t.element_size() == 1:
+        return t.view(torch.uint8).index_select(0, index).view(t.dtype)
+    return t.index_select(0, index)
 
 
 def assert_same_bits(a: torch.Tensor, b: torch.Tensor) -> None:

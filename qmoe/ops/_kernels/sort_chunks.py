@@ -74,7 +74,11 @@ def check_chunks(sizes_ptr, index_ptr, T, C, BLOCK_C: tl.constexpr):
     tl.device_assert(tl.sum(sz, axis=0) <= T,
                      "qmoe sort_chunks: split_sizes must sum to at most T, the rows of inp")
     idx = tl.load(index_ptr + cj, mask=cm, other=BLOCK_C).to(tl.int64)
-    ok = (tl.sort(idx) == cj.to(tl.int64)) | (cj >= C)  # padding sorts to the end
+    if BLOCK_C > 1:
+        srt = tl.sort(idx)
+    else:  # one chunk: nothing to sort (Triton 3.5's interpreter fails on a 1-entry sort)
+        srt = idx
+    ok = (srt == cj.to(tl.int64)) | (cj >= C)  # padding sorts to the end
     tl.device_assert(ok, "qmoe sort_chunks: sorted_index must be a permutation of 0..C-1 "
                      "(each chunk once)")
 
