@@ -2,7 +2,9 @@
 # One device call: GPU tests, then benchmarks; logs and JSON under $OUT.
 #   run: bash scripts/gpu_check.sh [pytest -k expression]
 #   QMOE_TESTS="tests/ops/test_kernels.py ..." narrows the test files (default: tests);
-#   QMOE_PYTEST_ARGS="-m 'not compile'" adds pytest arguments.
+#   QMOE_PYTEST_ARGS="-m 'not compile'" adds pytest arguments;
+#   QMOE_TEST_SECONDS=300 stops the tests after that long (SIGINT: pytest still prints what
+#   ran and failed) so the benchmarks run inside the device call's limit (default: no limit).
 # The GPU machine has torch and Triton but no network: nothing is installed here,
 # qmoe is used from the checkout through PYTHONPATH.
 set -uo pipefail
@@ -25,7 +27,7 @@ K=${1:-}
 export QMOE_GPU_CHECK=1
 # word-split QMOE_TESTS / QMOE_PYTEST_ARGS (eval: quotes inside them count), -k kept whole
 eval "set -- ${QMOE_TESTS:-tests} ${QMOE_PYTEST_ARGS:-}"
-python3 -m pytest "$@" -q -p no:cacheprovider -rfE --tb=short --durations=25 ${K:+-k "$K"} 2>&1 | tee "$OUT/tests.log" | grep -E "^(FAILED|ERROR)|passed|failed" | tail -40
+timeout --signal=INT "${QMOE_TEST_SECONDS:-0}" python3 -m pytest "$@" -q -p no:cacheprovider -rfE --tb=short --durations=25 ${K:+-k "$K"} 2>&1 | tee "$OUT/tests.log" | grep -E "^(FAILED|ERROR)|passed|failed" | tail -40
 echo "pytest rc=${PIPESTATUS[0]}" | tee -a "$OUT/tests.log"
 # QMOE_BENCHES="permute quantize sweep_permute" picks scripts (bench_<name>.py or <name>.py;
 # default: bench_permute, bench_quantize and bench_compile_fp8)
