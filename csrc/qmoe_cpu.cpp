@@ -710,9 +710,14 @@ std::tuple<Tensor, Tensor> quantize_blocks(const Tensor& x_in, int64_t bs, at::S
   const std::string mode_str(mode_s);
   const int64_t mode = mode_str == "amax" ? 0 : mode_str == "pow2" ? 1 : mode_str == "mx_floor" ? 2 : -1;
   QMOE_CHECK(mode >= 0, op, "scale_mode must be 'amax', 'pow2' or 'mx_floor', got ", mode_str);
-  QMOE_CHECK(bs > 0, op, "block_size must be > 0");
+  QMOE_CHECK(bs >= 1 && bs <= 4096 && (bs & (bs - 1)) == 0, op,
+             "block_size must be a power of two in [1, 4096], got ", bs);
   const bool e4m3 = fp8 == at::kFloat8_e4m3fn;
-  QMOE_CHECK(e4m3 || fp8 == at::kFloat8_e5m2, op, "fp8_dtype must be e4m3fn or e5m2");
+  TORCH_CHECK_TYPE(e4m3 || fp8 == at::kFloat8_e5m2, "qmoe::", op,
+                   ": fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got ", fp8);
+  const auto xt = x_in.scalar_type();
+  TORCH_CHECK_TYPE(xt == at::kFloat || xt == at::kBFloat16 || xt == at::kHalf, "qmoe::", op,
+                   ": x must be fp32, bf16 or fp16, got ", xt);
   auto x = x_in.contiguous();
   const int64_t h = x.size(-1), nb = (h + bs - 1) / bs;
   auto q = at::empty(x.sizes(), x.options().dtype(fp8));

@@ -198,6 +198,22 @@ def quantize_rows_triton(
 
 
 # -------------------------------------------------------------------- custom ops
+def _check_block_args(x, block_size, fp8_dtype, scale_mode) -> None:
+    """The direct op's arguments (``qmoe.quantize`` builds them from a checked recipe)."""
+    if x.dtype not in _HP_DTYPES:
+        raise TypeError(f"qmoe::quantize_blocks: x must be fp32, bf16 or fp16, got {x.dtype}")
+    if not (isinstance(block_size, int) and 1 <= block_size <= 4096
+            and block_size & (block_size - 1) == 0):
+        raise ValueError("qmoe::quantize_blocks: block_size must be a power of two in "
+                         f"[1, 4096], got {block_size!r}")
+    if fp8_dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise TypeError("qmoe::quantize_blocks: fp8_dtype must be torch.float8_e4m3fn or "
+                        f"torch.float8_e5m2, got {fp8_dtype}")
+    if scale_mode not in SCALE_MODES:
+        raise ValueError(f"qmoe::quantize_blocks: scale_mode must be one of "
+                         f"{sorted(SCALE_MODES)}, got {scale_mode!r}")
+
+
 @define(
     "quantize_blocks(Tensor x, int block_size, ScalarType fp8_dtype, str scale_mode) "
     "-> (Tensor, Tensor)"
@@ -205,6 +221,7 @@ def quantize_rows_triton(
 def _quantize_blocks(
     x: torch.Tensor, block_size: int, fp8_dtype: torch.dtype, scale_mode: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_block_args(x, block_size, fp8_dtype, scale_mode)
     if x.is_cuda:
         return quantize_rows_triton(x, block_size, fp8_dtype, scale_mode)
     return _reference_blocks(x, block_size, fp8_dtype, scale_mode)
@@ -212,6 +229,7 @@ def _quantize_blocks(
 
 @_quantize_blocks.register_fake
 def _(x, block_size, fp8_dtype, scale_mode):
+    _check_block_args(x, block_size, fp8_dtype, scale_mode)
     sdt = torch.uint8 if scale_mode == "mx_floor" else torch.float32
     nb = _num_blocks(x.shape[-1], block_size)
     return (

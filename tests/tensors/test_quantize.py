@@ -1,5 +1,6 @@
 """quantize / dequantize: layouts, accuracy floors, scale rules, autograd, bad input."""
 
+import contextlib
 import math
 
 import pytest
@@ -175,6 +176,33 @@ def test_bad_input():
         qmoe.Blockwise(block_size=100)
     with pytest.raises(ValueError, match="scale_rounding"):
         qmoe.MXFP8(scale_rounding="ceil")
+
+
+_DIRECT_BAD = [
+    ("block 0", (torch.float32, 0, torch.float8_e4m3fn, "amax"), ValueError, "block_size"),
+    ("block 3", (torch.float32, 3, torch.float8_e4m3fn, "amax"), ValueError, "block_size"),
+    ("block -128", (torch.float32, -128, torch.float8_e4m3fn, "amax"), ValueError, "block_size"),
+    ("block 2**62", (torch.float32, 2**62, torch.float8_e4m3fn, "amax"), ValueError, "block_size"),
+    ("fp8 fp16", (torch.float32, 128, torch.float16, "amax"), TypeError, "fp8_dtype"),
+    ("x fp64", (torch.float64, 128, torch.float8_e4m3fn, "amax"), TypeError, "x must be"),
+    ("mode", (torch.float32, 128, torch.float8_e4m3fn, "ceil"), ValueError, "scale_mode"),
+]
+
+
+@pytest.mark.parametrize("fake", [False, True], ids=["real", "fake"])
+@pytest.mark.parametrize("args,exc,match", [c[1:] for c in _DIRECT_BAD],
+                         ids=[c[0] for c in _DIRECT_BAD])
+def test_quantize_blocks_op_bad_args(args, exc, match, fake):
+    """The direct op (``qmoe.quantize`` checks its recipe first) refuses what would divide
+    by zero, overflow the block count or pick an undefined mode, on this machine's CPU
+    backend (C++ or torch) and in its fake alike."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    dtype, bs, fp8, mode = args
+    x = torch.randn(3, 256, dtype=dtype)
+    mode_ctx = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
+    with mode_ctx, pytest.raises(exc, match=match):
+        torch.ops.qmoe.quantize_blocks(x, bs, fp8, mode)
 
 
 def test_constructor_checks():
