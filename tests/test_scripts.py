@@ -70,3 +70,14 @@ def test_the_check_sees_a_bad_keyword():
     call = ast.parse(f"permute_mask_triton({', '.join(['a'] * (n + 1))})").body[0].value
     assert _call_problems(call, permute_mask_triton) == [
         f"{n + 1} positional arguments, takes {n}"]
+
+
+SHELL = sorted(ROOT.glob("scripts/*.sh"))
+
+
+@pytest.mark.parametrize("path", SHELL, ids=[p.name for p in SHELL])
+def test_shell_scripts_parse(path):
+    import subprocess
+
+    r = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
