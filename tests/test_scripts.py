@@ -6,6 +6,7 @@ passes keywords and positional counts its signature takes."""
 import ast
 import importlib
 import inspect
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -77,7 +78,5 @@ SHELL = sorted(ROOT.glob("scripts/*.sh"))
 
 @pytest.mark.parametrize("path", SHELL, ids=[p.name for p in SHELL])
 def test_shell_scripts_parse(path):
-    import subprocess
-
     r = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
