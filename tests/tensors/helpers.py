@@ -21,12 +21,15 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
+def on_bytes(fn, t: torch.Tensor) -> torch.Tensor:
+    """``fn(t)`` computed on a uint8 view of 1-byte data and viewed back (torch 2.9's CPU
+    index kernels do not take fp8 / e8m0)."""
+    return fn(t.view(torch.uint8)).view(t.dtype) if t.element_size() == 1 else fn(t)
+
+
 def take_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``t.index_select(0, index)``, through a uint8 view for 1-byte dtypes (torch 2.9's
-    CPU index kernels do not take fp8 / e8m0)."""
-    if t.element_size() == 1:
-        return t.view(torch.uint8).index_select(0, index).view(t.dtype)
-    return t.index_select(0, index)
+    """``t.index_select(0, index)`` for any dtype (``on_bytes``)."""
+    return on_bytes(lambda u: u.index_select(0, index), t)
 
 
 def assert_same_bits(a: torch.Tensor, b: torch.Tensor) -> None:

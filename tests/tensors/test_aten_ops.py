@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import qmoe
-from tests.tensors.helpers import LAYOUTS, assert_same_bits, assert_same_quantized
+from tests.tensors.helpers import LAYOUTS, assert_same_bits, assert_same_quantized, on_bytes
 
 H = [1, 17, 129, 300]
 
@@ -13,17 +13,11 @@ def _q(name, *shape, dtype=torch.bfloat16):
     return qmoe.quantize(torch.randn(*shape, dtype=dtype), LAYOUTS[name])
 
 
-def _on_bytes(fn, t):
-    """``fn(t)`` computed on a uint8 view of 1-byte data (torch 2.9's CPU index has no fp8
-    or e8m0 kernel), viewed back."""
-    return fn(t.view(torch.uint8)).view(t.dtype) if t.element_size() == 1 else fn(t)
-
-
 def _check_rows(out, q, fn):
     """``out`` equals ``fn`` applied to qdata and (block) scales of ``q``."""
     assert type(out) is type(q) and out._attrs() == q._attrs()
-    assert_same_bits(out.qdata, _on_bytes(fn, q.qdata))
-    want_scale = q.raw_scale if q.block_size is None else _on_bytes(fn, q.raw_scale)
+    assert_same_bits(out.qdata, on_bytes(fn, q.qdata))
+    want_scale = q.raw_scale if q.block_size is None else on_bytes(fn, q.raw_scale)
     assert_same_bits(out.raw_scale, want_scale)
     assert out.shape == out.qdata.shape
 
