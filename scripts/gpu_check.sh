@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then benchmarks; logs and JSON under $OUT.
 #   run: bash scripts/gpu_check.sh [pytest -k expression]
-#   QMOE_TESTS="tests/ops/test_kernels.py ..." narrows the test files (default: tests);
+#   QMOE_TESTS="tests/ops/test_kernels.py ..." narrows the test files (default: tests;
+#   none: no tests); QMOE_BENCHES=none: no benchmarks;
 #   QMOE_PYTEST_ARGS="-m 'not compile'" adds pytest arguments;
 #   QMOE_TEST_SECONDS=300 stops the tests after that long (SIGINT: pytest still prints what
 #   ran and failed) so the benchmarks run inside the device call's limit (default: no limit).
@@ -27,8 +28,10 @@ K=${1:-}
 export QMOE_GPU_CHECK=1
 # word-split QMOE_TESTS / QMOE_PYTEST_ARGS (eval: quotes inside them count), -k kept whole
 eval "set -- ${QMOE_TESTS:-tests} ${QMOE_PYTEST_ARGS:-}"
-timeout --signal=INT "${QMOE_TEST_SECONDS:-0}" python3 -m pytest "$@" -q -p no:cacheprovider -rfE --tb=short --durations=25 ${K:+-k "$K"} 2>&1 | tee "$OUT/tests.log" | grep -E "^(FAILED|ERROR)|passed|failed" | tail -40
-echo "pytest rc=${PIPESTATUS[0]}" | tee -a "$OUT/tests.log"
+if [ "${QMOE_TESTS:-}" != none ]; then  # QMOE_TESTS=none: benchmarks only
+  timeout --signal=INT "${QMOE_TEST_SECONDS:-0}" python3 -m pytest "$@" -q -p no:cacheprovider -rfE --tb=short --durations=25 ${K:+-k "$K"} 2>&1 | tee "$OUT/tests.log" | grep -E "^(FAILED|ERROR)|passed|failed" | tail -40
+  echo "pytest rc=${PIPESTATUS[0]}" | tee -a "$OUT/tests.log"
+fi
 # QMOE_BENCHES="permute quantize sweep_permute" picks scripts (bench_<name>.py or <name>.py;
 # default: bench_permute, bench_quantize and bench_compile_fp8)
 for b in $(for n in ${QMOE_BENCHES:-permute quantize compile_fp8}; do
