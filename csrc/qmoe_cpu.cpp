@@ -91,6 +91,12 @@ inline void stream_fence() {
 // Bad arguments raise Python ValueError (TORCH_CHECK_VALUE), as the Python layer does.
 #define QMOE_CHECK(cond, op, ...) TORCH_CHECK_VALUE(cond, "qmoe::", op, ": ", __VA_ARGS__)
 
+// fp8_dtype arguments: TypeError, as the Python ops and fakes raise.
+void check_fp8(const char* op, at::ScalarType fp8) {
+  TORCH_CHECK_TYPE(fp8 == at::kFloat8_e4m3fn || fp8 == at::kFloat8_e5m2, "qmoe::", op,
+                   ": fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got ", fp8);
+}
+
 int64_t slots_of(const Tensor& rid) { return (rid.size(1) - 1) / 2; }
 
 void check_map(const char* op, const Tensor& rid, int64_t t) {
@@ -528,8 +534,8 @@ Tensor unpermute_fp8(const Tensor& qbits, const Tensor& scale, const Tensor& rid
   QMOE_CHECK(layout == 0 ? sc.numel() == 1 : (sc.dim() == 2 && sc.size(0) == nrows), op,
              "scale does not match the rows: ", sc.sizes(), " for qbits ", q.sizes());
   const uint8_t* qp = q.data_ptr<uint8_t>();
+  check_fp8(op, fp8_dtype);
   const bool e4m3 = fp8_dtype == at::kFloat8_e4m3fn;
-  QMOE_CHECK(e4m3 || fp8_dtype == at::kFloat8_e5m2, op, "fp8_dtype must be e4m3fn or e5m2");
   float lut[256];  // fp8 bits -> fp32, exact
   for (int b = 0; b < 256; ++b)
     lut[b] = e4m3 ? static_cast<float>(c10::Float8_e4m3fn(b, c10::Float8_e4m3fn::from_bits()))
@@ -712,9 +718,8 @@ std::tuple<Tensor, Tensor> quantize_blocks(const Tensor& x_in, int64_t bs, at::S
   QMOE_CHECK(mode >= 0, op, "scale_mode must be 'amax', 'pow2' or 'mx_floor', got ", mode_str);
   QMOE_CHECK(bs >= 1 && bs <= 4096 && (bs & (bs - 1)) == 0, op,
              "block_size must be a power of two in [1, 4096], got ", bs);
+  check_fp8(op, fp8);
   const bool e4m3 = fp8 == at::kFloat8_e4m3fn;
-  TORCH_CHECK_TYPE(e4m3 || fp8 == at::kFloat8_e5m2, "qmoe::", op,
-                   ": fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got ", fp8);
   const auto xt = x_in.scalar_type();
   TORCH_CHECK_TYPE(xt == at::kFloat || xt == at::kBFloat16 || xt == at::kHalf, "qmoe::", op,
                    ": x must be fp32, bf16 or fp16, got ", xt);
@@ -736,8 +741,11 @@ std::tuple<Tensor, Tensor> quantize_blocks(const Tensor& x_in, int64_t bs, at::S
 
 Tensor quantize_with_scale(const Tensor& x_in, const Tensor& scale, at::ScalarType fp8) {
   const char* op = "quantize_with_scale";
+  check_fp8(op, fp8);
+  const auto xt = x_in.scalar_type();
+  TORCH_CHECK_TYPE(xt == at::kFloat || xt == at::kBFloat16 || xt == at::kHalf, "qmoe::", op,
+                   ": x must be fp32, bf16 or fp16, got ", xt);
   const bool e4m3 = fp8 == at::kFloat8_e4m3fn;
-  QMOE_CHECK(e4m3 || fp8 == at::kFloat8_e5m2, op, "fp8_dtype must be e4m3fn or e5m2");
   QMOE_CHECK(scale.numel() == 1, op, "scale must have one element, got ", scale.sizes());
   auto x = x_in.contiguous();
   auto q = at::empty(x.sizes(), x.options().dtype(fp8));

@@ -29,11 +29,14 @@ export QMOE_GPU_CHECK=1
 # word-split QMOE_TESTS / QMOE_PYTEST_ARGS (eval: quotes inside them count), -k kept whole
 eval "set -- ${QMOE_TESTS:-tests} ${QMOE_PYTEST_ARGS:-}"
 if [ "${QMOE_TESTS:-}" != none ]; then  # QMOE_TESTS=none: benchmarks only
-  timeout --signal=INT "${QMOE_TEST_SECONDS:-0}" python3 -m pytest "$@" -q -p no:cacheprovider -rfE --tb=short --durations=25 ${K:+-k "$K"} 2>&1 | tee "$OUT/tests.log" | grep -E "^(FAILED|ERROR)|passed|failed" | tail -40
-  echo "pytest rc=${PIPESTATUS[0]}" | tee -a "$OUT/tests.log"
+  timeout --signal=INT --kill-after=30 "${QMOE_TEST_SECONDS:-0}" python3 -m pytest "$@" -q -p no:cacheprovider -rfE --tb=short --durations=25 ${K:+-k "$K"} 2>&1 | tee "$OUT/tests.log" | grep -E "^(FAILED|ERROR)|passed|failed" | tail -40
+  rc=${PIPESTATUS[0]}
+  [ "$rc" = 124 ] && echo "tests stopped after QMOE_TEST_SECONDS=${QMOE_TEST_SECONDS}" | tee -a "$OUT/tests.log"
+  echo "pytest rc=$rc" | tee -a "$OUT/tests.log"
 fi
 # QMOE_BENCHES="permute quantize sweep_permute" picks scripts (bench_<name>.py or <name>.py;
 # default: bench_permute, bench_quantize and bench_compile_fp8)
+[ "${QMOE_BENCHES:-}" = none ] && exit 0
 for b in $(for n in ${QMOE_BENCHES:-permute quantize compile_fp8}; do
              [ -f benchmarks/$n.py ] && echo benchmarks/$n.py || echo benchmarks/bench_$n.py; done); do
   [ -f "$b" ] || continue

@@ -198,17 +198,22 @@ def quantize_rows_triton(
 
 
 # -------------------------------------------------------------------- custom ops
+def _check_dtypes(op: str, x: torch.Tensor, fp8_dtype: torch.dtype) -> None:
+    """The direct ops' dtypes (``qmoe.quantize`` checks them before), as the C++ ops do."""
+    if x.dtype not in _HP_DTYPES:
+        raise TypeError(f"qmoe::{op}: x must be fp32, bf16 or fp16, got {x.dtype}")
+    if fp8_dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise TypeError(f"qmoe::{op}: fp8_dtype must be torch.float8_e4m3fn or "
+                        f"torch.float8_e5m2, got {fp8_dtype}")
+
+
 def _check_block_args(x, block_size, fp8_dtype, scale_mode) -> None:
     """The direct op's arguments (``qmoe.quantize`` builds them from a checked recipe)."""
-    if x.dtype not in _HP_DTYPES:
-        raise TypeError(f"qmoe::quantize_blocks: x must be fp32, bf16 or fp16, got {x.dtype}")
+    _check_dtypes("quantize_blocks", x, fp8_dtype)
     if not (isinstance(block_size, int) and 1 <= block_size <= 4096
             and block_size & (block_size - 1) == 0):
         raise ValueError("qmoe::quantize_blocks: block_size must be a power of two in "
                          f"[1, 4096], got {block_size!r}")
-    if fp8_dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
-        raise TypeError("qmoe::quantize_blocks: fp8_dtype must be torch.float8_e4m3fn or "
-                        f"torch.float8_e5m2, got {fp8_dtype}")
     if scale_mode not in SCALE_MODES:
         raise ValueError(f"qmoe::quantize_blocks: scale_mode must be one of "
                          f"{sorted(SCALE_MODES)}, got {scale_mode!r}")
@@ -242,6 +247,7 @@ def _(x, block_size, fp8_dtype, scale_mode):
 def _quantize_with_scale(
     x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype
 ) -> torch.Tensor:
+    _check_dtypes("quantize_with_scale", x, fp8_dtype)
     if x.is_cuda:
         return quantize_rows_triton(x, 512, fp8_dtype, "given", scale.float())[0]
     return _saturate_cast(x.float() / scale.float(), fp8_dtype)
@@ -249,6 +255,7 @@ def _quantize_with_scale(
 
 @_quantize_with_scale.register_fake
 def _(x, scale, fp8_dtype):
+    _check_dtypes("quantize_with_scale", x, fp8_dtype)
     return torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
 
 

@@ -203,6 +203,9 @@ def test_quantize_blocks_op_bad_args(args, exc, match, fake):
     mode_ctx = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     with mode_ctx, pytest.raises(exc, match=match):
         torch.ops.qmoe.quantize_blocks(x, bs, fp8, mode)
+    if exc is TypeError:  # the sibling op takes the same dtypes
+        with mode_ctx, pytest.raises(exc, match=match):
+            torch.ops.qmoe.quantize_with_scale(x, torch.tensor(0.5), fp8)
 
 
 def test_constructor_checks():
