@@ -62,13 +62,12 @@ def sweep_config(name: str, copy_bw: float) -> list[dict]:
 
     def gather(bh, nw):
         unpermute_gather_kernel[(t, triton.cdiv(h, bh))](
-            y, back, rid, y, ok, h, s, n, 0, 1, HAS_W=False, BLOCK_H=bh, EVICT="",
+            y, back, rid, y, h, s, n, 0, 1, HAS_W=False, BLOCK_H=bh, EVICT="",
             PAIRS=False, num_warps=nw)
 
     # fp8 rows move as uint8 (1 byte per element): the same kernel on a [T, H] uint8 input.
     xb = x.view(torch.uint8)[:, :h].contiguous()
     outb = torch.empty(n, h, dtype=torch.uint8, device="cuda")
-    ok = torch.ones(1, dtype=torch.int32, device="cuda")
     fbytes = (t + n) * h + rid.numel() * 4
     for src, dst, kernel, nb, bhs in ((xb, outb, "permute_scatter_uint8", fbytes,
                                        (2048, 4096, 8192, 16384)),

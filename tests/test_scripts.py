@@ -16,61 +16,108 @@ SCRIPTS = sorted([*ROOT.glob("benchmarks/*.py"), *ROOT.glob("scripts/*.py")])
 
 
 def _imported(tree: ast.AST) -> dict[str, object]:
-    """Local name -> object for each ``from qmoe... import name`` (submodules included)."""
+    """Local name -> object for each ``import qmoe...`` and ``from qmoe... import name``
+    (submodules included)."""
     names = {}
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("qmoe"):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == "qmoe":
+                    mod = importlib.import_module(a.name)
+                    names[a.asname or a.name.split(".")[0]] = mod if a.asname else qmoe_root()
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("qmoe"):
             mod = importlib.import_module(node.module)
             for a in node.names:
-                obj = getattr(mod, a.name, None)
-                if obj is None:  # a submodule not yet imported as an attribute
+                if hasattr(mod, a.name):
+                    obj = getattr(mod, a.name)
+                else:  # a submodule not yet imported as an attribute
                     obj = importlib.import_module(f"{node.module}.{a.name}")
                 names[a.asname or a.name] = obj
     return names
 
 
+def qmoe_root():
+    return importlib.import_module("qmoe")
+
+
+def _resolve(func: ast.expr, names: dict[str, object]):
+    """The qmoe object a call's ``func`` names (``f``, ``mod.f``, ``kernel[grid]``), or
+    None when it is not one of qmoe's; AttributeError when qmoe lacks the attribute."""
+    if isinstance(func, ast.Subscript):  # a Triton launch: kernel[grid](...)
+        func = func.value
+    if isinstance(func, ast.Name):
+        return names.get(func.id)
+    if isinstance(func, ast.Attribute):
+        base = _resolve(func.value, names)
+        if base is None or not inspect.ismodule(base):
+            return None  # attributes of qmoe objects (methods) are not followed
+        return getattr(base, func.attr)
+    return None
+
+
+# Keywords a Triton launch takes besides the kernel's own parameters.
+LAUNCH_OPTIONS = {"num_warps", "num_stages", "num_ctas", "maxnreg", "launch_pdl", "debug"}
+
+
 def _call_problems(call: ast.Call, fn) -> list[str]:
+    """Whether ``call``'s arguments bind to ``fn``'s signature (calls that spread ``*args``
+    or ``**kwargs`` are not checked)."""
+    launch = isinstance(call.func, ast.Subscript)
+    fn = getattr(fn, "fn", fn)  # a Triton JITFunction: the Python function it wraps
+    if any(isinstance(a, ast.Starred) for a in call.args) or any(
+            k.arg is None for k in call.keywords):
+        return []
     try:
-        params = inspect.signature(fn).parameters.values()
+        sig = inspect.signature(fn)
     except (TypeError, ValueError):  # builtins, C functions: nothing to check against
         return []
-    kinds = {p.kind for p in params}
-    named = {p.name for p in params if p.kind is not p.POSITIONAL_ONLY}
-    out = []
-    if inspect.Parameter.VAR_KEYWORD not in kinds:
-        out += [f"no keyword {k.arg!r}" for k in call.keywords if k.arg and k.arg not in named]
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    starred = any(isinstance(a, ast.Starred) for a in call.args)
-    too_many = len(call.args) > len(positional)
-    if inspect.Parameter.VAR_POSITIONAL not in kinds and not starred and too_many:
-        out.append(f"{len(call.args)} positional arguments, takes {len(positional)}")
-    return out
+    kw = {k.arg: None for k in call.keywords if not (launch and k.arg in LAUNCH_OPTIONS)}
+    try:
+        sig.bind(*range(len(call.args)), **kw)
+    except TypeError as e:
+        return [str(e)]
+    return []
 
 
 @pytest.mark.parametrize("path", SCRIPTS, ids=[str(p.relative_to(ROOT)) for p in SCRIPTS])
 def test_script_calls_match_qmoe(path):
     tree = ast.parse(path.read_text(), str(path))
     names = _imported(tree)
-    problems = [
-        f"{path.name}:{node.lineno} {node.func.id}(): {msg}"
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-        and callable(names.get(node.func.id))
-        for msg in _call_problems(node, names[node.func.id])
-    ]
+    problems = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        try:
+            fn = _resolve(node.func, names)
+        except AttributeError as e:
+            problems.append(f"{path.name}:{node.lineno}: {e}")
+            continue
+        if callable(fn) and not inspect.isclass(fn):
+            problems += [f"{path.name}:{node.lineno} {ast.unparse(node.func)}(): {m}"
+                         for m in _call_problems(node, fn)]
     assert not problems, "\n".join(problems)
 
 
-def test_the_check_sees_a_bad_keyword():
+def test_the_check_sees_bad_calls():
     from qmoe.ops.permute_mask import permute_mask_triton
 
-    call = ast.parse("permute_mask_triton(x, m, 4, tilez=1)").body[0].value
-    assert _call_problems(call, permute_mask_triton) == ["no keyword 'tilez'"]
-    n = len([p for p in inspect.signature(permute_mask_triton).parameters.values()
-             if p.kind is p.POSITIONAL_OR_KEYWORD])
-    call = ast.parse(f"permute_mask_triton({', '.join(['a'] * (n + 1))})").body[0].value
-    assert _call_problems(call, permute_mask_triton) == [
-        f"{n + 1} positional arguments, takes {n}"]
+    def problems(src):
+        return _call_problems(ast.parse(src).body[0].value, permute_mask_triton)
+
+    assert problems("permute_mask_triton(x, m, 4, 1, tilez=1)") == [
+        "got an unexpected keyword argument 'tilez'"]
+    n = len(inspect.signature(permute_mask_triton).parameters)
+    assert "too many positional" in problems(f"f({', '.join(['a'] * (n + 1))})")[0]
+    assert "missing a required argument" in problems("f()")[0]
+    from qmoe.ops._kernels.permute import unpermute_gather_kernel
+
+    launch = ast.parse("k[(1,)](a, b, c, d, e, f, g, h, i, j, HAS_W=0, num_warps=4)").body[0]
+    assert "multiple values for argument 'HAS_W'" in _call_problems(
+        launch.value, unpermute_gather_kernel)[0]  # sweep_permute.py's call before its mend
+    names = _imported(ast.parse("import qmoe\nfrom qmoe.ops import backend as B"))
+    with pytest.raises(AttributeError, match="no_such"):
+        _resolve(ast.parse("B.no_such(x)").body[0].value.func, names)
+    assert _resolve(ast.parse("qmoe.moe_permute(x)").body[0].value.func, names) is not None
 
 
 SHELL = sorted(ROOT.glob("scripts/*.sh"))
