@@ -97,6 +97,14 @@ void check_fp8(const char* op, at::ScalarType fp8) {
                    ": fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got ", fp8);
 }
 
+// The quantize ops' dtypes (qmoe/tensors/quantize.py _check_dtypes).
+void check_quantize_dtypes(const char* op, const Tensor& x, at::ScalarType fp8) {
+  check_fp8(op, fp8);
+  const auto xt = x.scalar_type();
+  TORCH_CHECK_TYPE(xt == at::kFloat || xt == at::kBFloat16 || xt == at::kHalf, "qmoe::", op,
+                   ": x must be fp32, bf16 or fp16, got ", xt);
+}
+
 int64_t slots_of(const Tensor& rid) { return (rid.size(1) - 1) / 2; }
 
 void check_map(const char* op, const Tensor& rid, int64_t t) {
@@ -526,13 +534,12 @@ Tensor unpermute_fp8(const Tensor& qbits, const Tensor& scale, const Tensor& rid
   auto q = qbits.contiguous();
   auto sc = scale.contiguous();
   const int64_t h = q.size(1), nrows = q.size(0);
-  QMOE_CHECK(layout == 0 || (sc.dim() == 2 &&
-                               sc.size(1) == h / block_size + (h % block_size != 0)), op,
-             "block scales must be [N, ceil(H / block_size)] = [", nrows, ", ",
-             layout == 0 ? 0 : h / block_size + (h % block_size != 0), "], got ", sc.sizes());
-  const int64_t nb = layout == 0 ? 1 : sc.size(-1);
-  QMOE_CHECK(layout == 0 ? sc.numel() == 1 : (sc.dim() == 2 && sc.size(0) == nrows), op,
-             "scale does not match the rows: ", sc.sizes(), " for qbits ", q.sizes());
+  const int64_t nb = layout == 0 ? 1 : h / block_size + (h % block_size != 0);
+  QMOE_CHECK(layout != 0 || sc.numel() == 1, op, "a per-tensor scale must have one element, got ",
+             sc.sizes());
+  QMOE_CHECK(layout == 0 || (sc.dim() == 2 && sc.size(0) == nrows && sc.size(1) == nb), op,
+             "block scales must be [N, ceil(H / block_size)] = [", nrows, ", ", nb, "], got ",
+             sc.sizes());
   const uint8_t* qp = q.data_ptr<uint8_t>();
   check_fp8(op, fp8_dtype);
   const bool e4m3 = fp8_dtype == at::kFloat8_e4m3fn;
@@ -718,11 +725,8 @@ std::tuple<Tensor, Tensor> quantize_blocks(const Tensor& x_in, int64_t bs, at::S
   QMOE_CHECK(mode >= 0, op, "scale_mode must be 'amax', 'pow2' or 'mx_floor', got ", mode_str);
   QMOE_CHECK(bs >= 1 && bs <= 4096 && (bs & (bs - 1)) == 0, op,
              "block_size must be a power of two in [1, 4096], got ", bs);
-  check_fp8(op, fp8);
+  check_quantize_dtypes(op, x_in, fp8);
   const bool e4m3 = fp8 == at::kFloat8_e4m3fn;
-  const auto xt = x_in.scalar_type();
-  TORCH_CHECK_TYPE(xt == at::kFloat || xt == at::kBFloat16 || xt == at::kHalf, "qmoe::", op,
-                   ": x must be fp32, bf16 or fp16, got ", xt);
   auto x = x_in.contiguous();
   const int64_t h = x.size(-1), nb = (h + bs - 1) / bs;
   auto q = at::empty(x.sizes(), x.options().dtype(fp8));
@@ -741,10 +745,7 @@ std::tuple<Tensor, Tensor> quantize_blocks(const Tensor& x_in, int64_t bs, at::S
 
 Tensor quantize_with_scale(const Tensor& x_in, const Tensor& scale, at::ScalarType fp8) {
   const char* op = "quantize_with_scale";
-  check_fp8(op, fp8);
-  const auto xt = x_in.scalar_type();
-  TORCH_CHECK_TYPE(xt == at::kFloat || xt == at::kBFloat16 || xt == at::kHalf, "qmoe::", op,
-                   ": x must be fp32, bf16 or fp16, got ", xt);
+  check_quantize_dtypes(op, x_in, fp8);
   const bool e4m3 = fp8 == at::kFloat8_e4m3fn;
   QMOE_CHECK(scale.numel() == 1, op, "scale must have one element, got ", scale.sizes());
   auto x = x_in.contiguous();

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from qmoe._intmath import cdiv, next_pow2
-from qmoe.ops.row_id_map import num_slots
+from qmoe.ops.row_id_map import num_slots, unit_stride
 from qmoe.tensors.base import e8m0_to_fp32, expand_block_scales
 
 
@@ -77,15 +77,6 @@ def _one_tile(h: int) -> tuple[int, int]:
     16 columns; a warp per 512, 1 to 8)."""
     bh = max(16, next_pow2(max(h, 1)))
     return bh, max(1, min(8, bh // 512))
-
-
-def unit_stride(t: torch.Tensor | None) -> torch.Tensor | None:
-    """``t`` (or None) with unit stride along its last dim: the kernels step columns by 1
-    and take only a row stride (a copy only for column-strided tensors, e.g. the
-    transpose of a contiguous one)."""
-    if t is None or t.stride(-1) == 1 or t.shape[-1] <= 1:
-        return t
-    return t.contiguous()
 
 
 def _routes(rid: torch.Tensor, *probs: torch.Tensor | None):

@@ -135,11 +135,20 @@ def map_tiling(t: int, e: int) -> MapTiling:
 SMALL_MAP_BYTES = 1 << 15
 
 
+def unit_stride(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t`` (or None) with unit stride along its last dim: the kernels step columns by 1
+    and take only a row stride (a copy only for column-strided tensors, e.g. the
+    transpose of a contiguous one)."""
+    if t is None or t.stride(-1) == 1 or t.shape[-1] <= 1:
+        return t
+    return t.contiguous()
+
+
 def mask_operand(routing_map: torch.Tensor) -> torch.Tensor:
     """The ``[T, E]`` mask as the Triton kernels read it: bool viewed as uint8, unit
     column stride."""
     m = routing_map.view(torch.uint8) if routing_map.dtype == torch.bool else routing_map
-    return m if m.stride(1) == 1 else m.contiguous()
+    return unit_stride(m)
 
 
 def small_mask(m: torch.Tensor) -> bool:
@@ -293,7 +302,7 @@ def _index_rows_triton(routing_map: torch.Tensor, num_out_tokens: int):
     from qmoe.ops._kernels.row_id_map import index_row_id_map_small_kernel
 
     t, k = routing_map.shape
-    ids = routing_map if routing_map.stride(1) == 1 or k <= 1 else routing_map.contiguous()
+    ids = unit_stride(routing_map)
     rid = ids.new_empty((t, 2 * k + 1), dtype=torch.int32)
     fill = rid.new_empty((1, 2))
     bk = next_pow2(k)

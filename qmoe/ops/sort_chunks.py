@@ -320,8 +320,8 @@ def _check(fn, inp, split_sizes, sorted_index, probs):
         # each size <= T first: the sum of huge sizes would wrap in int64
         C.check_values(fn, (hi <= inp.shape[0]) & (split_sizes.sum() <= inp.shape[0]),
                        "split_sizes must sum to at most T, the rows of inp")
-        C.check_values(fn, (sorted_index.min() >= 0) & (sorted_index.max() < c),
-                       f"sorted_index entries must be in [0, {c})")
+        lo, hi = torch.aminmax(sorted_index)
+        C.check_values(fn, (lo >= 0) & (hi < c), f"sorted_index entries must be in [0, {c})")
         ar = torch.arange(c, device=sorted_index.device)
         C.check_values(fn, (torch.sort(sorted_index).values == ar).all(),
                        f"sorted_index must be a permutation of 0..{c - 1} (each chunk once)")

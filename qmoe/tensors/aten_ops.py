@@ -35,16 +35,13 @@ def _leading_dim(x: QuantizedTensor, dim: int, op: str) -> int:
     return d
 
 
-_ONE_BYTE_FLOATS = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu)
-
-
 def _bytewise(fn):
-    """``fn`` run on a ``uint8`` view of fp8 / e8m0 data and viewed back (bit-identical):
-    torch 2.9's CPU ``index`` has no kernel for these dtypes ('"index_cpu" not implemented
-    for 'Float8_e4m3fn''); the gathers below go through bytes on every version."""
+    """``fn`` run on a ``uint8`` view of 1-byte data (fp8 qdata, e8m0 bits) and viewed back
+    (bit-identical): torch 2.9's CPU ``index`` has no fp8 kernel ('"index_cpu" not
+    implemented for 'Float8_e4m3fn''); the gathers below go through bytes on every version."""
 
     def run(t: torch.Tensor) -> torch.Tensor:
-        if t.dtype in _ONE_BYTE_FLOATS:
+        if t.element_size() == 1:
             return fn(t.view(torch.uint8)).view(t.dtype)
         return fn(t)
 
