@@ -38,6 +38,7 @@ import torch
 
 from qmoe._intmath import cdiv, next_pow2, prev_pow2
 from qmoe._library import define
+from qmoe.ops._checks import ID_LIMIT
 
 
 def _compact(dst: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
@@ -90,8 +91,8 @@ def _mask_rows(routing_map: torch.Tensor, num_out_tokens: int, align_size: int) 
 
 def _index_rows(routing_map: torch.Tensor, num_out_tokens: int) -> torch.Tensor:
     t, k = routing_map.shape
-    big = torch.iinfo(torch.int32).max
-    # int32 sort keys (faster on CUDA): the public ops check ids < big (_checks.ID_LIMIT)
+    big = ID_LIMIT  # the "unrouted" sort key: the public ops check ids < ID_LIMIT
+    # int32 sort keys (faster on CUDA)
     ids = routing_map.to(torch.int32)
     # Each token's slots by expert (stable: equal ids keep slot order), unrouted (-1) last:
     # the kept routes come out packed to the front and in row order, as the map wants.
