@@ -2,7 +2,7 @@
 launcher (CUDA, or the interpreter): probs and merging weights with a column stride, a
 non-contiguous row_id_map, 1-d probs and chunk tables with a stride. The kernels step
 columns by one and take only row strides, so the launchers must hand them unit-stride
-operands (``backend.unit_stride``); each case here read wrong entries before."""
+operands (``row_id_map.unit_stride``); each case here read wrong entries before."""
 
 import pytest
 import torch
