@@ -4,6 +4,7 @@
 #   QMOE_TESTS="tests/ops/test_kernels.py ..." narrows the test files (default: tests;
 #   none: no tests); QMOE_BENCHES=none: no benchmarks;
 #   QMOE_PYTEST_ARGS="-m 'not compile'" adds pytest arguments;
+#   QMOE_TEST_JOBS=4 runs four pytest processes side by side (files dealt round-robin);
 #   QMOE_TEST_SECONDS=300 stops the tests after that long (SIGINT: pytest still prints what
 #   ran and failed) so the benchmarks run inside the device call's limit (default: no limit).
 # The GPU machine has torch and Triton but no network: nothing is installed here,
@@ -28,11 +29,32 @@ K=${1:-}
 export QMOE_GPU_CHECK=1
 # word-split QMOE_TESTS / QMOE_PYTEST_ARGS (eval: quotes inside them count), -k kept whole
 eval "set -- ${QMOE_TESTS:-tests} ${QMOE_PYTEST_ARGS:-}"
+run_pytest() {  # run_pytest LOG ARGS...: one pytest under the time limit; prints its rc
+  local log=$1; shift
+  timeout --signal=INT --kill-after=30 "${QMOE_TEST_SECONDS:-0}" python3 -m pytest "$@" -q -p no:cacheprovider -rfE --tb=short --durations=25 ${K:+-k "$K"} > "$log" 2>&1
+  local rc=$?
+  [ "$rc" = 124 ] && echo "tests stopped after QMOE_TEST_SECONDS=${QMOE_TEST_SECONDS}" >> "$log"
+  echo "pytest rc=$rc" >> "$log"
+}
 if [ "${QMOE_TESTS:-}" != none ]; then  # QMOE_TESTS=none: benchmarks only
-  timeout --signal=INT --kill-after=30 "${QMOE_TEST_SECONDS:-0}" python3 -m pytest "$@" -q -p no:cacheprovider -rfE --tb=short --durations=25 ${K:+-k "$K"} 2>&1 | tee "$OUT/tests.log" | grep -E "^(FAILED|ERROR)|passed|failed" | tail -40
-  rc=${PIPESTATUS[0]}
-  [ "$rc" = 124 ] && echo "tests stopped after QMOE_TEST_SECONDS=${QMOE_TEST_SECONDS}" | tee -a "$OUT/tests.log"
-  echo "pytest rc=$rc" | tee -a "$OUT/tests.log"
+  # QMOE_TEST_JOBS=N: N pytest processes share the GPU, test files dealt round-robin
+  # (the suite is mostly compile time, which is CPU-bound); one tests.log either way
+  jobs=${QMOE_TEST_JOBS:-1}
+  files=() opts=()
+  for a in "$@"; do
+    if [ -d "$a" ]; then mapfile -t -O "${#files[@]}" files < <(find "$a" -name 'test_*.py' | sort)
+    elif [ -f "$a" ]; then files+=("$a"); else opts+=("$a"); fi
+  done
+  [ "$jobs" -gt "${#files[@]}" ] && jobs=${#files[@]}
+  [ "$jobs" -lt 1 ] && jobs=1
+  for ((j = 0; j < jobs; j++)); do
+    group=()
+    for ((i = j; i < ${#files[@]}; i += jobs)); do group+=("${files[$i]}"); done
+    run_pytest "$OUT/tests.$j.part" "${group[@]}" "${opts[@]}" &
+  done
+  wait
+  for ((j = 0; j < jobs; j++)); do echo "=== job $j"; cat "$OUT/tests.$j.part"; rm "$OUT/tests.$j.part"; done > "$OUT/tests.log"
+  grep -E "^(FAILED|ERROR)| in [0-9.]+s|stopped|pytest rc" "$OUT/tests.log" | tail -60
 fi
 # QMOE_BENCHES="permute quantize sweep_permute" picks scripts (bench_<name>.py or <name>.py;
 # default: bench_permute, bench_quantize and bench_compile_fp8)
