@@ -56,12 +56,12 @@ def merge_tile(h: int, weighted: bool) -> tuple[int, int, str, bool]:
 
 def fp8_merge_tile(h: int) -> tuple[int, int, str]:
     """``(BLOCK_H, num_warps, eviction policy)`` of the FP8 merge kernel. A power-of-two H
-    up to 4096 is one tile (8 warps at 4096); any other H goes in 1024-column tiles of 2
-    warps with the fp8 rows read evict-first. From ``sweep_gather.py --quick --more`` on the
-    H200 (2026-12-04), blockwise kernel alone, % of copy: dsv3 (H = 7168) 66.9 -> 75.5,
-    gptoss (2880) 53.7 -> 65.4; at H = 4096 and 2048 the one tile stays (qwen3 78.3 vs
-    75.2, qwen3next 75.8 vs 72.8; mixtral 68.6 vs 72.2 is the exception left alone);
-    512-column tiles lost 7-16 points."""
+    up to 4096, or any H up to 1024, is one tile (8 warps at 4096); a larger H goes in
+    1024-column tiles of 2 warps with the fp8 rows read evict-first. From
+    ``sweep_gather.py --quick --more`` on the H200 (2026-12-04), blockwise kernel alone,
+    % of copy: dsv3 (H = 7168) 66.9 -> 75.5, gptoss (2880) 53.7 -> 65.4; at H = 4096 and
+    2048 the one tile stays (qwen3 78.3 vs 75.2, qwen3next 75.8 vs 72.8; mixtral 68.6 vs
+    72.2 is the exception left alone); 512-column tiles lost 7-16 points."""
     if _one_tile_fits(h) or h <= 1024:
         return *_one_tile(h), ""
     return 1024, 2, "evict_first"

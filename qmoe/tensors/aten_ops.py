@@ -3,9 +3,9 @@
 Registered on ``QuantizedTensor`` so every layout shares them. The rule they follow:
 an op along a *leading* dim is applied to ``qdata`` and, for block scales, to ``scale``
 alike; a per-tensor scale carries over. An op along the last dim (H) is allowed only
-where it cannot cut through a scale block: always for a per-tensor scale, and for
-block scales only a ``slice`` whose bounds fall on block edges. Everything else along H
-raises ``ValueError``.
+where it cannot cut through a scale block: a ``slice`` (any bounds for a per-tensor
+scale, bounds on block edges for block scales). Everything else along H (``select``,
+``stack`` or ``cat`` along H, ...) raises ``ValueError``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``quantize``: high-precision tensor -> FP8 subclass, as custom ops with a Triton path.
 
-Two custom ops do the work; ``quantize`` wraps them in an autograd function whose
+Three custom ops do the work; ``quantize`` wraps them in an autograd function whose
 backward is straight-through (the gradient reaches ``x`` unchanged, in its dtype):
 
 * ``qmoe::quantize_blocks(x, block_size, fp8_dtype, scale_mode) -> (qdata, scale)``:
@@ -8,8 +8,10 @@ backward is straight-through (the gradient reaches ``x`` unchanged, in its dtype
   (fp32, or e8m0 bits as ``uint8`` for ``scale_mode="mx_floor"``: Inductor's CPU
   backend cannot copy e8m0 tensors, so graphs carry the bits). One pass over ``x`` on CUDA.
 * ``qmoe::quantize_with_scale(x, scale, fp8_dtype) -> qdata``: per-tensor, given a
-  ``[]`` fp32 scale. The dynamic per-tensor recipe computes that scale first from
-  ``x.abs().amax()`` (a device reduction, no host sync).
+  ``[]`` fp32 scale.
+* ``qmoe::per_tensor_scale``: the dynamic per-tensor recipe's scale, from the amax of
+  ``x`` (``vector_norm(x, inf)``: a device reduction with no ``|x|`` temporary, no host
+  sync).
 
 On CPU both run the C++ kernels (``csrc/``, when built) or else the torch reference below;
 on CUDA the Triton kernel in ``qmoe/tensors/_kernels/quantize.py``.

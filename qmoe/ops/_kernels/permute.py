@@ -347,7 +347,7 @@ def unpermute_gather_kernel(
 @triton.jit
 def _merge_pairs(inp_ptr, mrow, wrow, n, S, P, H, N_IN, cols, hmask, acc, bad,
                  HAS_W: tl.constexpr, BLOCK_H: tl.constexpr, EVICT: tl.constexpr):
-    """``(acc, bad)`` after adding a token's n routes two a step (``unpermute_gather``'s
+    """``(acc, bad)`` after adding a token's n routes two a step (``unpermute_gather_kernel``'s
     PAIRS loop; arguments as there, ``mrow`` / ``wrow`` its map and weights rows)."""
     da, wa, ca = _route(mrow, S, 0, n, wrow, P, HAS_W)
     db, wb, cb = _route(mrow, S, 1, n, wrow, P, HAS_W)
@@ -415,7 +415,7 @@ def unpermute_fp8_kernel(
     EVICT: tl.constexpr,  # cache hint of the fp8 row loads and the store ("" or "evict_first")
 ):
     """The merge of quantized rows: each row is dequantized in registers (fp8 value times
-    its block's scale, fp32) and summed in fp32 in row order, as ``unpermute_gather``."""
+    its block's scale, fp32) and summed in fp32 in row order, as ``unpermute_gather_kernel``."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = cols < H

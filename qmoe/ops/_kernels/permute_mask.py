@@ -28,7 +28,7 @@ from qmoe.ops._kernels.row_id_map import count_mask, expert_starts, mask_row, wr
 def permute_mask_kernel(
     inp_ptr,  # (T, H) any dtype, row stride stride_in
     out_ptr,  # (N, H) same dtype, contiguous
-    mask_ptr,  # (T, E) uint8 / int32 / int64, nonzero = routed, row stride stride_m
+    mask_ptr,  # (T, E) any integer dtype (bool as uint8), nonzero = routed, row stride stride_m
     before_ptr,  # (cdiv(T, BLOCK_T), E) int32: tokens of earlier blocks (unless SMALL)
     total_ptr,  # (E,) int32: tokens per expert (unless SMALL)
     map_ptr,  # (T, 2E+1) int32 out: the row_id_map

@@ -137,7 +137,7 @@ def quantize_permute_mask_kernel(
     x_ptr,  # (T, H) fp32 / bf16 / fp16, row stride stride_x
     q_ptr,  # (N, H) uint8 out: fp8 bits of the permuted rows, contiguous
     s_ptr,  # (N, NB) fp32 or uint8 (e8m0) out; () fp32 in for SCALE_GIVEN
-    mask_ptr,  # (T, E) uint8 / int32 / int64, nonzero = routed, row stride stride_m
+    mask_ptr,  # (T, E) any integer dtype (bool as uint8), nonzero = routed, row stride stride_m
     before_ptr,  # (cdiv(T, BLOCK_T), E) int32: tokens of earlier blocks (unless SMALL)
     total_ptr,  # (E,) int32: tokens per expert (unless SMALL)
     map_ptr,  # (T, 2E+1) int32 out: the row_id_map

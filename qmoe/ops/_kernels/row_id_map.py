@@ -40,7 +40,7 @@ def mask_row(mask_ptr, t, T, E, stride_t, cols):
 
 @triton.jit
 def mask_block_counts_kernel(
-    mask_ptr,  # (T, E) uint8 / int32 / int64, nonzero = routed, row stride stride_t
+    mask_ptr,  # (T, E) any integer dtype (bool as uint8), nonzero = routed, row stride stride_t
     counts_ptr,  # (NBLK, E) int32 out
     T,
     E,
@@ -128,7 +128,7 @@ def block_scan_kernel(
 
 @triton.jit
 def mask_row_id_map_kernel(
-    mask_ptr,  # (T, E) uint8 / int32 / int64, row stride stride_t
+    mask_ptr,  # (T, E) any integer dtype (bool as uint8), row stride stride_t
     before_ptr,  # (NBLK, E) int32: tokens of earlier blocks, per expert
     total_ptr,  # (E,) int32: tokens per expert
     map_ptr,  # (T, 2E+1) int32 out
@@ -156,7 +156,7 @@ def mask_row_id_map_kernel(
 
 @triton.jit
 def mask_row_id_map_small_kernel(
-    mask_ptr,  # (T, E) uint8 / int32 / int64, row stride stride_t
+    mask_ptr,  # (T, E) any integer dtype (bool as uint8), row stride stride_t
     map_ptr,  # (T, 2E+1) int32 out
     fill_ptr,  # (E+1, 2) int32 out if A > 1, else (1, 2): row ranges no route writes
     T,
