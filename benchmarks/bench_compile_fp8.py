@@ -6,12 +6,14 @@ Per config and recipe: ``moe_permute_with_probs`` of a quantized input (the outp
 recipe's quantized type), then ``moe_unpermute`` of those rows with merging probs (the
 merge dequantizes inside its kernel, high-precision result). The same function runs eagerly
 and compiled with ``fullgraph=True``; both are timed per call (``median_ms``: on the GPU,
-events around each call, so host time shows where it dominates) and the compiled outputs are
-checked bit-identical to eager. Also the first compiled call's wall time (the compile,
+``do_bench``'s events, GPU time) and as ``*_host_ms``, the wall time per call of 200 calls
+issued back to back with one synchronize at the end (where the host is slower than the
+GPU, as at the small config, this is what a training step sees), and the compiled outputs
+are checked bit-identical to eager. Also the first compiled call's wall time (the compile,
 unless Inductor's on-disk cache already holds the graph). On CUDA also
 ``mode="reduce-overhead"`` (Inductor's CUDA graphs: the host cost of a small call goes), its
 outputs checked bit-identical too; a failure there is recorded, not raised.
-On CPU (no CUDA) it runs the ``tiny`` config as a smoke test.
+On CPU (no CUDA) it runs the ``tiny`` config unless ``--configs`` names others (the C++ path).
 """
 
 from __future__ import annotations
@@ -37,9 +39,23 @@ def path(q, mask, probs, n):
     return qmoe.moe_unpermute(out, rid, merging_probs=probs)
 
 
-def _graphs_ms(q, mask, probs, n, want) -> float | str:
-    """Median ms per call of ``path`` compiled with ``mode="reduce-overhead"`` (CUDA graphs),
-    after checking its output equals ``want``; the error as text if it fails."""
+def host_ms(fn, calls: int = 200) -> float:
+    """Wall ms per call of ``calls`` calls issued back to back, one synchronize at the end."""
+    for _ in range(10):
+        fn()
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) * 1e3 / calls
+
+
+def _graphs_ms(q, mask, probs, n, want) -> tuple[float, float] | str:
+    """``(median ms, host ms)`` per call of ``path`` compiled with
+    ``mode="reduce-overhead"`` (CUDA graphs), after checking its output equals ``want``;
+    the error as text if it fails."""
     torch._dynamo.reset()
     try:
         graphed = torch.compile(path, fullgraph=True, mode="reduce-overhead")
@@ -47,7 +63,10 @@ def _graphs_ms(q, mask, probs, n, want) -> float | str:
             got = graphed(q, mask, probs, n)
         if not torch.equal(got, want):
             return "reduce-overhead output differs from eager"
-        return round(median_ms(lambda: graphed(q, mask, probs, n)), 4)
+        def call():
+            return graphed(q, mask, probs, n)
+
+        return round(median_ms(call), 4), round(host_ms(call), 4)
     except Exception as e:  # reported in the JSON; the other columns stand
         return f"reduce-overhead failed: {type(e).__name__}: {str(e)[:200]}"
 
@@ -74,16 +93,24 @@ def run_config(name: str, dev: str) -> list[dict]:
             raise AssertionError(f"{name} {rname}: compiled output differs from eager")
         eager = median_ms(lambda q=q: path(q, mask, probs, n))
         comp = median_ms(lambda q=q, c=compiled: c(q, mask, probs, n))
+        eager_host = host_ms(lambda q=q: path(q, mask, probs, n))
+        comp_host = host_ms(lambda q=q, c=compiled: c(q, mask, probs, n))
         row = {"config": name, "T": t, "H": h, "E": e, "K": k, "recipe": rname,
                "eager_ms": round(eager, 4), "compiled_ms": round(comp, 4),
+               "eager_host_ms": round(eager_host, 4), "compiled_host_ms": round(comp_host, 4),
                "first_compiled_call_s": round(compile_s, 1)}
         graphs = ""
         if dev == "cuda":
-            row["graphs_ms"] = _graphs_ms(q, mask, probs, n, want)
-            graphs = (f"  reduce-overhead {row['graphs_ms']:8.4f} ms"
-                      if isinstance(row["graphs_ms"], float) else f"  ({row['graphs_ms']})")
+            got = _graphs_ms(q, mask, probs, n, want)
+            if isinstance(got, tuple):
+                row["graphs_ms"], row["graphs_host_ms"] = got
+                graphs = f"  reduce-overhead {got[0]:8.4f} ms (host {got[1]:8.4f} ms)"
+            else:
+                row["graphs_error"] = got
+                graphs = f"  ({got})"
         rows.append(row)
-        print(f"{name:>9} {rname:>13}: eager {eager:8.4f} ms  compiled {comp:8.4f} ms{graphs}"
+        print(f"{name:>9} {rname:>13}: eager {eager:8.4f} ms (host {eager_host:8.4f} ms)  "
+              f"compiled {comp:8.4f} ms (host {comp_host:8.4f} ms){graphs}"
               f" (first call {compile_s:.1f} s; outputs equal)", file=sys.stderr)
     return rows
 
@@ -91,10 +118,11 @@ def run_config(name: str, dev: str) -> list[dict]:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=None)
-    p.add_argument("--configs", default="dsv3,small")
+    p.add_argument("--configs", default=None,
+                   help="comma list (default: dsv3,small on CUDA, tiny on the CPU)")
     a = p.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    names = a.configs.split(",") if dev == "cuda" else ["tiny"]
+    names = (a.configs or ("dsv3,small" if dev == "cuda" else "tiny")).split(",")
     rows = []
     for name in names:
         rows += run_config(name, dev)
