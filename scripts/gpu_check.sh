@@ -43,7 +43,7 @@ if [ "${QMOE_TESTS:-}" != none ]; then  # QMOE_TESTS=none: benchmarks only
   files=() opts=()
   for a in "$@"; do
     if [ -d "$a" ]; then mapfile -t -O "${#files[@]}" files < <(find "$a" -name 'test_*.py' | sort)
-    elif [ -f "$a" ]; then files+=("$a"); else opts+=("$a"); fi
+    elif [ -f "${a%%::*}" ]; then files+=("$a"); else opts+=("$a"); fi  # a file or node id
   done
   [ "$jobs" -gt "${#files[@]}" ] && jobs=${#files[@]}
   [ "$jobs" -lt 1 ] && jobs=1
