@@ -6,7 +6,9 @@ passes keywords and positional counts its signature takes."""
 import ast
 import importlib
 import inspect
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -127,3 +129,26 @@ SHELL = sorted(ROOT.glob("scripts/*.sh"))
 def test_shell_scripts_parse(path):
     r = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+def test_gpu_check_deals_test_files_to_jobs(tmp_path):
+    """``QMOE_TEST_JOBS=2``: each test file runs in one of two pytest processes, a failure in
+    one job shows in the summary, and both jobs' output lands in one ``tests.log``. (The
+    script's CUDA lines just print errors here; no benchmarks run.)"""
+    tests = tmp_path / "t"
+    tests.mkdir()
+    (tests / "test_a.py").write_text("def test_one():\n    pass\n\n\ndef test_two():\n    pass\n")
+    (tests / "test_b.py").write_text("def test_ok():\n    pass\n\n\n"
+                                     "def test_bad():\n    assert False\n")
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "QMOE_TEST_JOBS": "2", "QMOE_BENCHES": "none",
+           "QMOE_TESTS": str(tests),
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    r = subprocess.run(["bash", str(ROOT / "scripts/gpu_check.sh")], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=300)
+    log = (out / "tests.log").read_text()
+    assert log.count("=== job ") == 2, log
+    assert "2 passed" in log and "1 failed, 1 passed" in log, log
+    assert log.count("pytest rc=") == 2 and "pytest rc=1" in log, log
+    assert "FAILED" in r.stdout and "test_bad" in r.stdout, r.stdout
+    assert not list(out.glob("*.part")), "the per-job logs are merged and removed"
