@@ -6,10 +6,10 @@ Per config and recipe: ``moe_permute_with_probs`` of a quantized input (the outp
 recipe's quantized type), then ``moe_unpermute`` of those rows with merging probs (the
 merge dequantizes inside its kernel, high-precision result). The same function runs eagerly
 and compiled with ``fullgraph=True``; both are timed per call (``median_ms``: on the GPU,
-``do_bench``'s events, GPU time) and as ``*_host_ms``, the wall time per call of 200 calls
-issued back to back with one synchronize at the end (where the host is slower than the
-GPU, as at the small config, this is what a training step sees), and the compiled outputs
-are checked bit-identical to eager. Also the first compiled call's wall time (the compile,
+``do_bench``'s events, GPU time) and as ``*_host_ms``, the host time per call of calls
+issued back to back (``common.host_us``, best of 5 rounds of 40; where the host is slower
+than the GPU, as at the small config, this is what a training step sees), and the compiled
+outputs are checked bit-identical to eager. Also the first compiled call's wall time (the compile,
 unless Inductor's on-disk cache already holds the graph). On CUDA also
 ``mode="reduce-overhead"`` (Inductor's CUDA graphs: the host cost of a small call goes), its
 outputs checked bit-identical too; a failure there is recorded, not raised.
@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_permute import CONFIGS, FP8_RECIPES  # noqa: E402
-from common import env_info, median_ms, write_json  # noqa: E402
+from common import env_info, host_us, median_ms, write_json  # noqa: E402
 
 import qmoe  # noqa: E402
 
@@ -37,19 +37,6 @@ def path(q, mask, probs, n):
     """FP8 rows grouped by expert and merged back: ``[T, H]`` high precision."""
     out, _, rid = qmoe.moe_permute_with_probs(q, probs, mask, n)
     return qmoe.moe_unpermute(out, rid, merging_probs=probs)
-
-
-def host_ms(fn, calls: int = 200) -> float:
-    """Wall ms per call of ``calls`` calls issued back to back, one synchronize at the end."""
-    for _ in range(10):
-        fn()
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    sync()
-    return (time.perf_counter() - t0) * 1e3 / calls
 
 
 def _graphs_ms(q, mask, probs, n, want) -> tuple[float, float] | str:
@@ -63,10 +50,11 @@ def _graphs_ms(q, mask, probs, n, want) -> tuple[float, float] | str:
             got = graphed(q, mask, probs, n)
         if not torch.equal(got, want):
             return "reduce-overhead output differs from eager"
+
         def call():
             return graphed(q, mask, probs, n)
 
-        return round(median_ms(call), 4), round(host_ms(call), 4)
+        return round(median_ms(call), 4), round(host_us(call, 200) / 1e3, 4)
     except Exception as e:  # reported in the JSON; the other columns stand
         return f"reduce-overhead failed: {type(e).__name__}: {str(e)[:200]}"
 
@@ -91,10 +79,16 @@ def run_config(name: str, dev: str) -> list[dict]:
         want = path(q, mask, probs, n)
         if not torch.equal(got, want):
             raise AssertionError(f"{name} {rname}: compiled output differs from eager")
-        eager = median_ms(lambda q=q: path(q, mask, probs, n))
-        comp = median_ms(lambda q=q, c=compiled: c(q, mask, probs, n))
-        eager_host = host_ms(lambda q=q: path(q, mask, probs, n))
-        comp_host = host_ms(lambda q=q, c=compiled: c(q, mask, probs, n))
+
+        def eager_call(q=q):
+            return path(q, mask, probs, n)
+
+        def compiled_call(q=q, c=compiled):
+            return c(q, mask, probs, n)
+
+        eager, comp = median_ms(eager_call), median_ms(compiled_call)
+        eager_host = host_us(eager_call, 200) / 1e3
+        comp_host = host_us(compiled_call, 200) / 1e3
         row = {"config": name, "T": t, "H": h, "E": e, "K": k, "recipe": rname,
                "eager_ms": round(eager, 4), "compiled_ms": round(comp, 4),
                "eager_host_ms": round(eager_host, 4), "compiled_host_ms": round(comp_host, 4),

@@ -40,6 +40,25 @@ def median_ms(fn, *, warmup: int = 5, iters: int = 50) -> float:
     return ts[len(ts) // 2]
 
 
+def host_us(fn, calls: int, rounds: int = 5) -> float:
+    """Host microseconds per call: the best of ``rounds`` rounds of ``calls // rounds``
+    back-to-back calls, one synchronize after each round (the CPU-bound rate an eager step
+    sees; the host of the GPU machine is shared: single rounds vary by up to 2x)."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    for _ in range(20):
+        fn()
+    sync()
+    best = float("inf")
+    per = max(1, calls // rounds)
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(per):
+            fn()
+        sync()
+        best = min(best, (time.perf_counter() - t0) / per * 1e6)
+    return best
+
+
 def capture_graph(fn) -> torch.cuda.CUDAGraph:
     """``fn`` captured in a CUDA graph, after three warm-up calls on a side stream (they
     compile the kernels outside the capture)."""

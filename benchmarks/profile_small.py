@@ -18,7 +18,6 @@ import io
 import os
 import pstats
 import sys
-import time
 
 import torch
 import triton
@@ -27,7 +26,7 @@ import triton.language as tl
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_permute import CONFIGS  # noqa: E402
-from common import env_info, graph_median_ms, write_json  # noqa: E402
+from common import env_info, graph_median_ms, host_us, write_json  # noqa: E402
 
 import qmoe  # noqa: E402
 from qmoe.ops.row_id_map import _mask_rows_triton  # noqa: E402
@@ -62,23 +61,6 @@ _NOSPEC = tuple(f"n{i}" for i in range(20))
 def _empty_ints20_nospec(a0, n0, n1, n2, n3, n4, n5, n6, n7, n8, n9, n10, n11, n12, n13, n14,
                          n15, n16, n17, n18, n19):
     pass
-
-
-def host_us(fn, calls: int, rounds: int = 5) -> float:
-    """Best of ``rounds`` rounds of ``calls // rounds`` back-to-back calls (the host of the
-    GPU machine is shared: single rounds vary by up to 2x between runs)."""
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    per = max(1, calls // rounds)
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(per):
-            fn()
-        torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - t0) / per * 1e6)
-    return best
 
 
 def launches(fn) -> int:

@@ -221,8 +221,8 @@ def _sort_chunks_backward(
     """The chunk sort's inverse movement: ``(grad_inp [T, H], grad_probs [T] or empty)``.
     CUDA up to ``one_launch``'s chunk count: the one-launch kernel run backwards (the
     forward checked that the order is a permutation); otherwise (CPU, or more chunks): an
-    fp32 ``index_add`` over the forward's source rows, right even
-    if ``sorted_index`` repeated a chunk."""
+    fp32 ``index_add`` over the forward's source rows, right even if ``sorted_index``
+    repeated a chunk."""
     if one_launch(grad_out, split_sizes):
         return sort_chunks_triton(grad_out, split_sizes, sorted_index, grad_probs,
                                   inverse=True, check=False)

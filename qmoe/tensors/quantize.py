@@ -13,8 +13,9 @@ backward is straight-through (the gradient reaches ``x`` unchanged, in its dtype
   ``x`` (``vector_norm(x, inf)``: a device reduction with no ``|x|`` temporary, no host
   sync).
 
-On CPU both run the C++ kernels (``csrc/``, when built) or else the torch reference below;
-on CUDA the Triton kernel in ``qmoe/tensors/_kernels/quantize.py``.
+On CPU the first two run the C++ kernels (``csrc/``, when built) or else the torch
+reference below; on CUDA the Triton kernel in ``qmoe/tensors/_kernels/quantize.py``. The
+scale op is torch code on every device.
 """
 
 from __future__ import annotations
