@@ -26,7 +26,8 @@ def _imported(tree: ast.AST) -> dict[str, object]:
             for a in node.names:
                 if a.name.split(".")[0] == "qmoe":
                     mod = importlib.import_module(a.name)
-                    names[a.asname or a.name.split(".")[0]] = mod if a.asname else qmoe_root()
+                    root = importlib.import_module("qmoe")  # ``import qmoe.x`` binds qmoe
+                    names[a.asname or "qmoe"] = mod if a.asname else root
         elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("qmoe"):
             mod = importlib.import_module(node.module)
             for a in node.names:
@@ -36,10 +37,6 @@ def _imported(tree: ast.AST) -> dict[str, object]:
                     obj = importlib.import_module(f"{node.module}.{a.name}")
                 names[a.asname or a.name] = obj
     return names
-
-
-def qmoe_root():
-    return importlib.import_module("qmoe")
 
 
 def _resolve(func: ast.expr, names: dict[str, object]):
