@@ -4,7 +4,7 @@
 # that torch (QMOE_SKIP_CPP_BUILD=1 skips the C++ build; the torch CPU path then serves).
 PY ?= python3
 
-.PHONY: setup demo test lint bench
+.PHONY: setup demo test lint bench sm90-triton36
 
 setup:
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
@@ -30,3 +30,12 @@ lint:
 
 bench: setup
 	$(PY) benchmarks/bench_quantize.py
+
+# Every Triton kernel variant compiled for sm_90 with the GPU machine's Triton (3.6), which
+# goes into .triton36/ beside this machine's own (tests/ops/test_sm90_compile.py's main).
+TRITON_GPU ?= 3.6.0
+sm90-triton36: setup
+	$(PY) -m pip install -q --no-deps --target .triton36 "triton==$(TRITON_GPU)"
+	env -u TRITON_INTERPRET CUDA_VISIBLE_DEVICES= PYTHONPATH="$(CURDIR)/.triton36" $(PY) -c \
+		"import triton; assert triton.__version__ == '$(TRITON_GPU)', triton.__version__; \
+		from tests.ops.test_sm90_compile import main; main()"
