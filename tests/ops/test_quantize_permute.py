@@ -27,6 +27,7 @@ def _args(recipe, x):
 @pytest.mark.parametrize("t,h,e,k,kind,extra", [
     (1, 17, 4, 2, "random", 0), (63, 160, 8, 3, "sentinels", -9), (40, 300, 16, 4,
                                                                     "empty_experts", 7),
+    (2, 7168, 8, 2, "random", 0), (3, 4100, 8, 3, "sentinels", 2),  # 4096-column tiles
 ])
 def test_fused_kernel_matches_two_steps(kdevice, recipe, t, h, e, k, kind, extra):
     """The Triton kernel (CUDA, or the interpreter) against quantize then permute."""
@@ -70,10 +71,19 @@ MASK_CASES = [  # (T, H, E, K, kind, align, N relative to the padded routed coun
     (40, 300, 16, 4, "empty_experts", 1, -9), (20, 64, 5, 1, "one_expert", 4, 0),
     (33, 96, 256, 8, "no_route_tokens", 1, 5),
 ]
+# Every case with one recipe per layout (fp8 dtypes alternating), the other recipes on one
+# case each, and hidden sizes that take the 4096-column tiles.
+_MASK_RECIPES = ["blockwise-e4m3", "mx-e5m2", "pertensor-e5m2"]
+MASK_PARAMS = (
+    [(r, *c) for r in _MASK_RECIPES for c in MASK_CASES]
+    + [(r, 21, 96, 16, 4, "sentinels", 8, 3)
+       for r in RECIPES if r not in _MASK_RECIPES]
+    + [(r, 2, h, 8, 3, "random", 4, 1)
+       for r, h in (("blockwise-e5m2", 7168), ("mx-e4m3", 4100), ("pertensor-e4m3", 4096))]
+)
 
 
-@pytest.mark.parametrize("recipe", ["blockwise-e4m3", "mx-e5m2", "pertensor-e5m2"])
-@pytest.mark.parametrize("t,h,e,k,kind,align,extra", MASK_CASES)
+@pytest.mark.parametrize("recipe,t,h,e,k,kind,align,extra", MASK_PARAMS)
 def test_mask_kernel_matches_map_then_fused(kdevice, recipe, t, h, e, k, kind, align, extra):
     """The fused kernel that builds its map rows itself (``quantize_permute_mask``): the
     map, bits, scales and probs equal ``make_row_id_map`` then the fused kernel on it, into
@@ -112,7 +122,12 @@ def test_mask_kernel_no_tokens_or_experts(kdevice):
         assert (rid[:, :-1] == -1).all()
 
 
-@pytest.mark.parametrize("recipe", ["blockwise-e4m3", "mx-e5m2", "pertensor-e4m3"])
+# one recipe per layout and fp8 dtype
+FP8_RECIPES = [f"{layout}-{dt}" for layout in ("pertensor", "blockwise", "mx")
+               for dt in ("e4m3", "e5m2")]
+
+
+@pytest.mark.parametrize("recipe", FP8_RECIPES)
 def test_public_functions_with_quantize(recipe):
     r = RECIPES[recipe]
     t, h, e, k = 50, 256, 8, 2
@@ -141,21 +156,61 @@ def test_public_functions_with_quantize(recipe):
         assert_same_quantized(a, b)
 
 
-@pytest.mark.parametrize("recipe", ["blockwise-e4m3", "mx-e4m3", "pertensor-e5m2"])
-def test_backward_matches_two_steps(recipe):
+@pytest.mark.parametrize("recipe", FP8_RECIPES)
+def test_public_map_built_in_the_fused_launch(recipe, monkeypatch):
+    """N >= 6T: on CUDA the mask calls take ``quantize_permute_mask`` (the map built inside
+    the fused launch; elsewhere the op's map-then-fused form, forced here): outputs, map and
+    gradients equal quantize then permute, the pad variant's both forms included."""
+    import qmoe.ops.quantize_permute as QP
+
+    if DEV == "cpu":
+        monkeypatch.setattr(QP, "_map_in_launch", lambda x, is_index, n: not is_index)
+    r = RECIPES[recipe]
+    t, h, e, k = 37, 160, 16, 8
+    _, mask = routing(t, e, k, "no_route_tokens", DEV)
+    x0 = torch.randn(t, h, device=DEV, dtype=torch.bfloat16)
+    p0 = torch.rand(t, e, device=DEV)
+    n = t * k
+    assert QP._map_in_launch(x0, False, n)
+    outs = []
+    for fused in (True, False):
+        x, p = x0.clone().requires_grad_(), p0.clone().requires_grad_()
+        inp, kw = (x, {"quantize": r}) if fused else (qmoe.quantize(x, r), {})
+        out, pp, rid = qmoe.moe_permute_with_probs(inp, p, mask, n, **kw)
+        y = qmoe.moe_unpermute(out.dequantize() * pp[:, None].to(out.dtype), rid)
+        y.float().square().sum().backward()
+        pads = [qmoe.moe_permute_and_pad_with_probs(inp.detach(), p0, mask, None, 16,
+                                                    num_out_tokens=bound, **kw)
+                for bound in (None, n + e * 16)]
+        outs.append((out, pp, rid, x.grad, p.grad, pads))
+    a, b = outs
+    assert_same_quantized(a[0], b[0])
+    for u, v in zip(a[1:5], b[1:5]):
+        assert_same_bits(u, v)
+    for pa, pb in zip(a[5], b[5]):
+        assert_same_quantized(pa[0], pb[0])
+        for u, v in zip(pa[1:], pb[1:]):  # probs, map, pad_offsets (or None), targets
+            assert (u is None) == (v is None)
+            if u is not None:
+                assert_same_bits(u, v)
+
+
+@pytest.mark.parametrize("map_type", ["mask", "index"])
+@pytest.mark.parametrize("recipe", FP8_RECIPES)
+def test_backward_matches_two_steps(recipe, map_type):
     r = RECIPES[recipe]
     t, h, e, k = 30, 128, 6, 2
-    _, mask = routing(t, e, k, "random", DEV)
+    ids, mask = routing(t, e, k, "random", DEV)
+    rm, cols = (mask, e) if map_type == "mask" else (ids, k)
     x0 = torch.randn(t, h, device=DEV)
-    p0 = torch.rand(t, e, device=DEV)
+    p0 = torch.rand(t, cols, device=DEV)
     grads = []
     for fused in (True, False):
         x, p = x0.clone().requires_grad_(), p0.clone().requires_grad_()
-        if fused:
-            out, pp, rid = qmoe.moe_permute_with_probs(x, p, mask, t * k - 5, quantize=r)
-        else:
-            out, pp, rid = qmoe.moe_permute_with_probs(qmoe.quantize(x, r), p, mask, t * k - 5)
-        y = qmoe.moe_unpermute(out.dequantize() * pp[:, None], rid)
+        inp, kw = (x, {"quantize": r}) if fused else (qmoe.quantize(x, r), {})
+        out, pp, rid = qmoe.moe_permute_with_probs(inp, p, rm, t * k - 5, map_type=map_type,
+                                                   **kw)
+        y = qmoe.moe_unpermute(out.dequantize() * pp[:, None], rid, map_type=map_type)
         y.square().sum().backward()
         grads.append((x.grad, p.grad))
     assert grads[0][0] is not None and grads[0][0].dtype == torch.float32
