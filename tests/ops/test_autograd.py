@@ -19,6 +19,42 @@ def _perm_matrix(rid: torch.Tensor, n: int, t: int) -> torch.Tensor:
     return m
 
 
+def _work(out, pp):
+    """The "expert" work between permute and unpermute: touches both outputs, and every
+    row (padding rows too: the merge must never read them)."""
+    return out * 2.0 + pp[:, None] + 1.0
+
+
+def _check_against_dense(rid, n, x, probs, merge, g):
+    """Gradients of ``unpermute(_work(permute_with_probs(x, probs)), merge)`` against the
+    same function built densely in fp64 from the map's permutation matrix."""
+    t = x.shape[0]
+    pm = _perm_matrix(rid.cpu(), n, t)
+    xd = x.detach().cpu().double().requires_grad_()
+    pd = probs.detach().cpu().double().requires_grad_()
+    md = merge.detach().cpu().double().requires_grad_()
+    s = (rid.shape[1] - 1) // 2
+    col_of_row = torch.full((n,), 0, dtype=torch.long)
+    for tok in range(t):
+        for j in range(int(rid[tok, 2 * s])):
+            col_of_row[int(rid[tok, j])] = int(rid[tok, s + j])
+    rows_tok = pm.argmax(1)
+    ppd = (pm @ torch.ones(t, dtype=torch.float64)) * pd[rows_tok, col_of_row]
+    w_of_row = pm * md[rows_tok, col_of_row][:, None]
+    yd = w_of_row.T @ _work(pm @ xd, ppd)
+    (yd * g.cpu().double()).sum().backward()
+    torch.testing.assert_close(x.grad.cpu().double(), xd.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(probs.grad.cpu().double(), pd.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(merge.grad.cpu().double(), md.grad, rtol=1e-5, atol=1e-5)
+
+
+def _leaves(t, h, cols):
+    x = torch.randn(t, h, device=DEV, requires_grad=True)
+    probs = torch.rand(t, cols, device=DEV, requires_grad=True)
+    merge = torch.rand(t, cols, device=DEV, requires_grad=True)
+    return x, probs, merge
+
+
 @pytest.mark.parametrize("map_type", ["mask", "index"])
 @pytest.mark.parametrize("extra", [-5, 0, 3])
 def test_permute_probs_unpermute_backward(map_type, extra):
@@ -26,38 +62,32 @@ def test_permute_probs_unpermute_backward(map_type, extra):
     ids, mask = routing(t, e, k, "sentinels", DEV)
     rm = mask if map_type == "mask" else ids
     n = max(0, int(mask.sum()) + extra)
-    x = torch.randn(t, h, dtype=torch.float64 if DEV == "cpu" else torch.float32, device=DEV)
-    x = x.float().requires_grad_()
-    probs = torch.rand(t, rm.shape[1], device=DEV, requires_grad=True)
-    merge = torch.rand(t, rm.shape[1], device=DEV, requires_grad=True)
-
+    x, probs, merge = _leaves(t, h, rm.shape[1])
     out, pp, rid = qmoe.moe_permute_with_probs(x, probs, rm, n, map_type=map_type)
-    y_exp = out * 2.0 + pp[:, None]  # "expert" work touching both outputs
-    y = qmoe.moe_unpermute(y_exp, rid, merge, map_type=map_type)
+    y = qmoe.moe_unpermute(_work(out, pp), rid, merge, map_type=map_type)
     g = torch.randn_like(y)
     (y * g).sum().backward()
+    _check_against_dense(rid, n, x, probs, merge, g)
 
-    # Same function, dense fp64 from the map's permutation matrix.
-    pm = _perm_matrix(rid.cpu(), n, t)
-    xd = x.detach().cpu().double().requires_grad_()
-    pd = probs.detach().cpu().double().requires_grad_()
-    md = merge.detach().cpu().double().requires_grad_()
-    s = (rid.shape[1] - 1) // 2
-    col_of_row = torch.full((n,), 0, dtype=torch.long)
-    w_of_row = torch.zeros(n, t, dtype=torch.float64)
-    for tok in range(t):
-        for j in range(int(rid[tok, 2 * s])):
-            col_of_row[int(rid[tok, j])] = int(rid[tok, s + j])
-    rows_tok = pm.argmax(1)
-    ppd = (pm @ torch.ones(t, dtype=torch.float64)) * pd[rows_tok, col_of_row]
-    outd = pm @ xd
-    yd_exp = outd * 2.0 + ppd[:, None]
-    w_of_row = pm * md[rows_tok, col_of_row][:, None]
-    yd = w_of_row.T @ yd_exp
-    (yd * g.cpu().double()).sum().backward()
-    torch.testing.assert_close(x.grad.cpu().double(), xd.grad, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(probs.grad.cpu().double(), pd.grad, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(merge.grad.cpu().double(), md.grad, rtol=1e-5, atol=1e-5)
+
+@pytest.mark.parametrize("align", [4, 16])
+@pytest.mark.parametrize("spare", [None, 9, -7])
+def test_pad_variant_backward(align, spare):
+    """The pad variant in both forms (host-synced N, or a bound with spare rows or dropped
+    ones): gradients reach x and probs through the permutation alone; padding and spare
+    rows (which the work fills with ones) take no part."""
+    t, h, e, k = 29, 16, 6, 2
+    _, mask = routing(t, e, k, "empty_experts", DEV)
+    x, probs, merge = _leaves(t, h, e)
+    padded = int(((mask.sum(0) + align - 1) // align * align).sum())
+    bound = None if spare is None else padded + spare
+    out, pp, rid, pad_offsets, _ = qmoe.moe_permute_and_pad_with_probs(
+        x, probs, mask, None, align, num_out_tokens=bound)
+    assert out.shape[0] == (padded if bound is None else bound)
+    y = qmoe.moe_unpermute(_work(out, pp), rid, merge, pad_offsets=pad_offsets)
+    g = torch.randn_like(y)
+    (y * g).sum().backward()
+    _check_against_dense(rid, out.shape[0], x, probs, merge, g)
 
 
 def test_sort_chunks_backward():
