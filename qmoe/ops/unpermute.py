@@ -100,6 +100,38 @@ def _(grad_out, row_id_map, merging_probs, fwd_inp, num_rows):
     return gi, merging_probs.new_empty(merging_probs.shape)
 
 
+def _setup_backward(ctx, inputs, output):
+    grad_out, row_id_map, merging_probs, fwd_inp, num_rows = inputs
+    ctx.num_rows = num_rows
+    ctx.save_for_backward(grad_out, row_id_map, merging_probs, fwd_inp)
+
+
+def _backward_backward(ctx, u_gi, u_gw):
+    """Double backward of the merge. With ``gi[r] = w[t, c] * g[t]`` and
+    ``gw[t, c] = <g[t], x[r]>`` over each kept route (t, c) -> row r:
+    ``d/dg = unpermute(u_gi, w) + unpermute(x, u_gw)``, ``d/dx = u_gw[t, c] * g[t]``
+    (``unpermute_backward(g, u_gw)``'s row gradient) and ``d/dw = <u_gi[r], g[t]>`` (its
+    weight gradient with ``u_gi`` in place of ``x``): the ops themselves, so this is
+    differentiable again."""
+    g, rid, w, x = ctx.saved_tensors
+    n = ctx.num_rows
+    has_gw = u_gw is not None and u_gw.numel() > 0 and w is not None and x is not None
+    dg = dw = dx = None
+    if u_gi is not None:
+        dg = torch.ops.qmoe.unpermute(u_gi, rid, w)
+        if w is not None and ctx.needs_input_grad[2]:
+            dw = torch.ops.qmoe.unpermute_backward(g, rid, w, u_gi, n)[1]
+    if has_gw:
+        merged = torch.ops.qmoe.unpermute(x.to(g.dtype), rid, u_gw)
+        dg = merged if dg is None else dg + merged
+        if ctx.needs_input_grad[3]:
+            dx = torch.ops.qmoe.unpermute_backward(g, rid, u_gw, None, n)[0].to(x.dtype)
+    return (None if dg is None else dg.to(g.dtype)), None, dw, dx, None
+
+
+_unpermute_backward.register_autograd(_backward_backward, setup_context=_setup_backward)
+
+
 def _setup(ctx, inputs, output):
     inp, row_id_map, merging_probs = inputs
     ctx.num_rows = inp.shape[0]

@@ -44,9 +44,13 @@ def _cases():
                (x, mask, p64, None, n, 1))
         yield f"unpermute_probs_fp64-{t}", ops.unpermute.default, (y, rid_m, p64)
         g = torch.randn(t, h, device=DEV)
-        # A backward helper (no double backward): inputs without requires_grad.
-        bwd_args = (g, rid_m, probs.detach(), y.detach(), n)
-        yield f"unpermute_bwd-{t}", ops.unpermute_backward.default, bwd_args
+        # The merge's backward, itself differentiable (double backward through the merge).
+        gr, yr = g.clone().requires_grad_(), y.detach().clone().requires_grad_()
+        yield f"unpermute_bwd-{t}", ops.unpermute_backward.default, (gr, rid_m, probs, yr, n)
+        yield (f"unpermute_bwd_unweighted-{t}", ops.unpermute_backward.default,
+               (gr, rid_m, None, None, n))
+        yield (f"unpermute_bwd_no_grad-{t}", ops.unpermute_backward.default,
+               (g, rid_m, probs.detach(), y.detach(), n))
         for name in ("pertensor-e4m3", "blockwise-e5m2", "mx-e4m3"):
             from qmoe.ops.fp8 import _bits, _layout
             from tests.tensors.helpers import RECIPES
