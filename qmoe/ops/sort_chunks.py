@@ -221,8 +221,8 @@ def _sort_chunks_backward(
     """The chunk sort's inverse movement: ``(grad_inp [T, H], grad_probs [T] or empty)``.
     CUDA up to ``one_launch``'s chunk count: the one-launch kernel run backwards (the
     forward checked that the order is a permutation); otherwise (CPU, or more chunks): an
-    fp32 ``index_add`` over the forward's source rows, right even if ``sorted_index``
-    repeated a chunk."""
+    fp32 ``index_add`` over the forward's source rows (fp64 for fp64 probs), right even if
+    ``sorted_index`` repeated a chunk."""
     if one_launch(grad_out, split_sizes):
         return sort_chunks_triton(grad_out, split_sizes, sorted_index, grad_probs,
                                   inverse=True, check=False)
@@ -231,9 +231,10 @@ def _sort_chunks_backward(
     gi = torch.zeros(grad_out.shape, dtype=torch.float32, device=grad_out.device)
     gi = gi.index_add(0, src, grad_out.float()).to(grad_out.dtype)
     gp = grad_out.new_empty(0)
-    if grad_probs is not None:
-        gp = torch.zeros(t, dtype=torch.float32, device=grad_probs.device)
-        gp = gp.index_add(0, src, grad_probs.float()).to(grad_probs.dtype)
+    if grad_probs is not None:  # fp64 router probs keep fp64
+        acc = torch.promote_types(grad_probs.dtype, torch.float32)
+        gp = torch.zeros(t, dtype=acc, device=grad_probs.device)
+        gp = gp.index_add(0, src, grad_probs.to(acc)).to(grad_probs.dtype)
     return gi, gp
 
 

@@ -90,10 +90,11 @@ def test_pad_variant_backward(align, spare):
     _check_against_dense(rid, out.shape[0], x, probs, merge, g)
 
 
-def test_sort_chunks_backward():
+@pytest.mark.parametrize("probs_dtype", [torch.float32, torch.float64])
+def test_sort_chunks_backward(probs_dtype):
     t, h = 40, 8
     x = torch.randn(t, h, device=DEV, requires_grad=True)
-    p = torch.rand(t, device=DEV, requires_grad=True)
+    p = torch.rand(t, device=DEV, dtype=probs_dtype, requires_grad=True)
     sizes = torch.tensor([5, 0, 12, 3, 10], device=DEV)  # 30 of 40 rows; the rest stay
     order = torch.tensor([3, 0, 4, 1, 2], device=DEV)
     out, pp = qmoe.moe_sort_chunks_by_index_with_probs(x, p, sizes, order)
