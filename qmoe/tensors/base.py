@@ -125,6 +125,12 @@ def passthrough_ops() -> tuple[Any, ...]:
     return tuple(sorted(_PASSTHROUGH, key=str))
 
 
+def rebuild_quantized(cls: type, bits: torch.Tensor, fp8_dtype: torch.dtype,
+                      raw_scale: torch.Tensor, attrs: tuple, requires_grad: bool):
+    """The unpickler of ``QuantizedTensor.__reduce_ex__``."""
+    return cls(bits.view(fp8_dtype), raw_scale, *attrs, requires_grad=requires_grad)
+
+
 def e8m0_to_fp32(bits: torch.Tensor) -> torch.Tensor:
     """e8m0 scale bytes (``uint8``) as fp32: ``2 ** (b - 127)``; 0 is the subnormal
     ``2**-127``, 255 is NaN."""
@@ -307,6 +313,17 @@ class QuantizedTensor(torch.Tensor):
         ]
         key = repr((type(self).__qualname__, self._attrs(), inner))
         return hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
+
+    def __reduce_ex__(self, protocol: int):
+        """Pickle as ``(class, qdata's uint8 bits, fp8 dtype, scale, attributes)``. torch
+        2.13 pickles fp8 storages for ``torch.save`` only: plain ``pickle`` (multiprocessing,
+        Ray) writes them but cannot load them back ("UntypedStorage has no attribute
+        dtype"), so the bits travel as uint8 (``torch.save`` keeps views and shared
+        storage, as for any tensor). ``torch.load(weights_only=True)`` accepts
+        ``rebuild_quantized``, and still loads files written by torch's own reduction."""
+        return (rebuild_quantized, (type(self), self.qdata.view(torch.uint8),
+                                    self.qdata.dtype, self.raw_scale, self._attrs(),
+                                    self.requires_grad))
 
     def __tensor_flatten__(self) -> tuple[list[str], tuple[Any, ...]]:
         return list(self.tensor_data_names), self._attrs()

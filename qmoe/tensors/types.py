@@ -11,7 +11,7 @@ from typing import ClassVar
 
 import torch
 
-from qmoe.tensors.base import QuantizedTensor, e8m0_to_fp32
+from qmoe.tensors.base import QuantizedTensor, e8m0_to_fp32, rebuild_quantized
 
 __all__ = ["Float8Tensor", "Float8BlockwiseTensor", "MXFP8Tensor"]
 
@@ -91,4 +91,5 @@ class MXFP8Tensor(QuantizedTensor):
 for _cls in (Float8Tensor, Float8BlockwiseTensor, MXFP8Tensor):
     _cls.__module__ = "qmoe.tensors"
 
-torch.serialization.add_safe_globals([Float8Tensor, Float8BlockwiseTensor, MXFP8Tensor])
+torch.serialization.add_safe_globals(
+    [Float8Tensor, Float8BlockwiseTensor, MXFP8Tensor, rebuild_quantized])
