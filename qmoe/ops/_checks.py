@@ -127,8 +127,9 @@ def check_num_out_tokens(fn: str, num_out_tokens) -> int | None:
     """None or -1 mean 'all routed rows' (counted with one host sync); ints >= 0 size N.
     A 0-d integer tensor (``tokens_per_expert.sum()``, as TransformerEngine takes) is read
     with ``.item()``: a host sync for a CUDA tensor, and a graph break under torch.compile
-    (unless ``torch._dynamo.config.capture_scalar_outputs``). Integer scalars of other
-    types (``numpy.int64``) count as ints."""
+    unless ``torch._dynamo.config.capture_scalar_outputs``, which makes it a data-dependent
+    size (it must then be >= 0: no -1 branch, checked when the graph runs). Integer scalars
+    of other types (``numpy.int64``) count as ints."""
     if num_out_tokens is None:
         return None
     if isinstance(num_out_tokens, torch.Tensor):
@@ -140,6 +141,13 @@ def check_num_out_tokens(fn: str, num_out_tokens) -> int | None:
         # a host sync; under torch.compile a graph break, unless capture_scalar_outputs
         # makes it an unbacked SymInt
         num_out_tokens = num_out_tokens.item()
+        if is_compiling():  # (a SymInt may not look like one to isinstance under Dynamo)
+            # a data-dependent size: no branch on -1 (a guard fullgraph cannot take); the
+            # count of routed rows it stands for is >= 0, checked when the graph runs
+            torch._check(num_out_tokens >= 0, lambda: (
+                f"{fn}: num_out_tokens as a tensor must be >= 0 under torch.compile (a "
+                "row count such as tokens_per_expert.sum()); pass None for all routed rows"))
+            return num_out_tokens
     num_out_tokens = as_int(fn, "num_out_tokens (or None)", num_out_tokens)
     if num_out_tokens == -1:
         return None

@@ -52,33 +52,78 @@ def test_sort_chunks_and_pad_compile():
     order = torch.tensor([3, 1, 0, 2], device=DEV)
 
     def f(x, probs):
-        y = qmoe.moe_sort_chunks_by_index(x, sizes, order)
+        y, py = qmoe.moe_sort_chunks_by_index_with_probs(x, probs[:, 0], sizes, order)
         out, pp, rid, po, tgt = qmoe.moe_permute_and_pad_with_probs(
             y, probs, mask, None, 8, num_out_tokens=t * 2 + e * 8
         )
-        return out, pp, tgt
+        return out, pp, tgt, py
+
+    def run(fn, x0, p0):
+        x, probs = x0.clone().requires_grad_(), p0.clone().requires_grad_()
+        outs = fn(x, probs)
+        (outs[0].square().sum() + (outs[1] * outs[1]).sum() + outs[3].sum()).backward()
+        return (*outs, x.grad, probs.grad)
 
     x = torch.randn(t, h, device=DEV)
     probs = torch.rand(t, e, device=DEV)
-    got = torch.compile(f, fullgraph=True)(x, probs)
-    want = f(x, probs)
-    for g, w in zip(got, want):
+    got = run(torch.compile(f, fullgraph=True), x, probs)
+    want = run(f, x, probs)
+    for g, w in zip(got, want):  # forward and backward, bit for bit
         assert torch.equal(g, w)
 
 
-def test_dynamic_tokens_compile_once():
+@pytest.mark.parametrize("map_type", ["index", "mask"])
+def test_dynamic_tokens_compile_once(map_type):
+    """dynamic=True over T: one compile for four token counts; the mask form also carries
+    probs, merging probs and a backward."""
     from torch._dynamo.testing import CompileCounter
 
     cnt = CompileCounter()
     e, k, h = 8, 2, 16
 
-    def f(x, ids):
+    def f_index(x, ids):
         out, rid = qmoe.moe_permute(x, ids, x.shape[0] * k, map_type="index")
         return qmoe.moe_unpermute(out * 2, rid, map_type="index")
 
+    def f_mask(x, mask, probs):
+        out, pp, rid = qmoe.moe_permute_with_probs(x, probs, mask, x.shape[0] * k)
+        return qmoe.moe_unpermute(out * pp[:, None], rid, probs)
+
+    f = f_index if map_type == "index" else f_mask
     cf = torch.compile(f, fullgraph=True, dynamic=True, backend=cnt)
     for t in (5, 17, 64, 33):
-        ids, _ = routing(t, e, k, "random", DEV)
+        ids, mask = routing(t, e, k, "random", DEV)
         x = torch.randn(t, h, device=DEV)
-        assert torch.equal(cf(x, ids), f(x, ids))
+        if map_type == "index":
+            assert torch.equal(cf(x, ids), f(x, ids))
+            continue
+        probs = torch.rand(t, e, device=DEV)
+        grads = []
+        for fn in (cf, f):
+            xr, pr = x.clone().requires_grad_(), probs.clone().requires_grad_()
+            y = fn(xr, mask, pr)
+            y.square().sum().backward()
+            grads.append((y, xr.grad, pr.grad))
+        for a, b in zip(*grads):
+            assert torch.equal(a, b)
     assert cnt.frame_count == 1
+
+
+def test_tensor_num_out_tokens_with_captured_scalars():
+    """TransformerEngine's callers pass ``tokens_per_expert.sum()``: with
+    ``capture_scalar_outputs`` it becomes a data-dependent size and the call stays in one
+    graph (no branch on it)."""
+    t, h, e, k = 24, 16, 6, 2
+    _, mask = routing(t, e, k, "no_route_tokens", DEV)
+
+    def f(x, mask, probs):
+        out, pp, rid = qmoe.moe_permute_with_probs(x, probs, mask, mask.sum())
+        return out, qmoe.moe_unpermute(out * pp[:, None], rid, probs)
+
+    x, probs = torch.randn(t, h, device=DEV), torch.rand(t, e, device=DEV)
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        got = torch.compile(f, fullgraph=True)(x, mask, probs)
+    want = f(x, mask, probs)
+    assert got[0].shape[0] == int(mask.sum())
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
