@@ -79,14 +79,26 @@ def _one_tile(h: int) -> tuple[int, int]:
     return bh, max(1, min(8, bh // 512))
 
 
-def _routes(rid: torch.Tensor, *probs: torch.Tensor | None):
-    """(token, row, probs column) of every kept route, token-major then row order; the
-    columns checked against the width of each of ``probs`` given (a ValueError: the map is
-    the caller's to pass back, and a negative column would wrap)."""
+def _routes(rid: torch.Tensor, *probs: torch.Tensor | None, rows: int | None = None):
+    """(token, row, probs column) of every kept route, token-major then row order: the
+    first ``count`` entries of each map row (its last column). Checked as the C++ path
+    checks them (ValueErrors: the map is the caller's to pass back): each count in
+    ``[0, S]``, each kept row in ``[0, rows)`` when ``rows`` is given, each column inside
+    the width of each of ``probs`` given (a negative one would wrap)."""
     s = num_slots(rid)
-    dst = rid[:, :s]
-    valid = dst >= 0
-    tok = torch.arange(rid.shape[0], device=rid.device)[:, None].expand(-1, s)
+    t = rid.shape[0]
+    count = rid[:, 2 * s]
+    if t and bool(((count < 0) | (count > s)).any()):
+        raise ValueError(f"qmoe: row_id_map counts routes outside [0, {s}] (its slots); pass "
+                         "the row_id_map qmoe built")
+    valid = torch.arange(s, device=rid.device)[None, :] < count[:, None]
+    dst = rid[:, :s][valid].long()
+    if rows is not None and dst.numel():
+        lo, hi = (int(v) for v in torch.aminmax(dst))
+        if lo < 0 or hi >= rows:
+            raise ValueError(f"qmoe: row_id_map names rows outside [0, {rows}) (the permuted "
+                             "rows); pass the row_id_map built for these rows")
+    tok = torch.arange(t, device=rid.device)[:, None].expand(-1, s)
     col = rid[:, s : 2 * s][valid].long()
     widths = [p.shape[1] for p in probs if p is not None]
     if widths and col.numel():
@@ -94,7 +106,7 @@ def _routes(rid: torch.Tensor, *probs: torch.Tensor | None):
         if lo < 0 or hi >= min(widths):
             raise ValueError(f"qmoe: row_id_map names probs columns outside [0, {min(widths)}); "
                              "pass the row_id_map qmoe built with these probs' routing")
-    return tok[valid], dst[valid].long(), col
+    return tok[valid], dst, col
 
 
 def permute_rows(
@@ -123,7 +135,7 @@ def permute_rows(
     use_triton = x.is_cuda if use_triton is None else use_triton
     if not use_triton:
         out = torch.zeros(n, h, dtype=x.dtype, device=x.device)
-        tok, row, col = _routes(rid, weights, probs)
+        tok, row, col = _routes(rid, weights, probs, rows=n)
         val = x[tok]
         if weights is not None:
             val = (val.float() * weights[tok, col].float()[:, None]).to(x.dtype)
@@ -222,7 +234,7 @@ def unpermute_rows(
     use_triton = x.is_cuda if use_triton is None else use_triton
     if not use_triton:
         acc = torch.zeros(t, h, dtype=torch.float32, device=x.device)
-        tok, row, col = _routes(rid, weights)
+        tok, row, col = _routes(rid, weights, rows=x.shape[0])
         val = x[row].float()
         if weights is not None:
             val = val * weights[tok, col].float()[:, None]
@@ -278,7 +290,7 @@ def merge_weight_grad(grad: torch.Tensor, x: torch.Tensor, rid: torch.Tensor,
     """``[T, P]`` fp32: ``<grad[t], x[row]>`` for each kept route, zero elsewhere (torch;
     on CUDA the op takes ``merge_backward_kernel``, which computes it with grad_inp)."""
     gw = torch.zeros(grad.shape[0], p, dtype=torch.float32, device=grad.device)
-    tok, row, col = _routes(rid, gw)
+    tok, row, col = _routes(rid, gw, rows=x.shape[0])
     gw[tok, col] = (grad[tok].float() * x[row].float()).sum(1)
     return gw
 

@@ -121,6 +121,31 @@ def test_cpu_paths_refuse_a_bad_probs_column(bad_col):
         B.permute_rows(x, bad, out.shape[0], w, use_triton=False)
 
 
+@pytest.mark.parametrize("where,value", [("row", -5), ("row", 1000), ("count", 100),
+                                         ("count", -1)])
+def test_cpu_paths_refuse_a_corrupted_map(where, value):
+    """A kept route naming a row outside the permuted rows, or a route count outside [0, S],
+    is a ValueError on both CPU paths alike (the torch path used to drop a negative row and
+    ignore the count, the C++ path raised)."""
+    x = torch.randn(6, 8)
+    m = torch.zeros(6, 3, dtype=torch.bool)
+    m[:, :2] = True
+    out, rid = qmoe.moe_permute(x, m)
+    bad = rid.clone()
+    bad[0, 0 if where == "row" else -1] = value
+    w = torch.ones(6, 3)
+    match = "row_id_map"
+    for use_triton in (None, False):  # the op (C++ when built), then the torch path
+        calls = [lambda: B.unpermute_rows(out, bad, w, use_triton=False),
+                 lambda: B.permute_rows(x, bad, out.shape[0], use_triton=False)]
+        if use_triton is None:
+            calls = [lambda: qmoe.moe_unpermute(out, bad, w), lambda: qmoe.moe_unpermute(out, bad),
+                     lambda: torch.ops.qmoe.permute(x, bad, None, out.shape[0])]
+        for call in calls:
+            with pytest.raises(ValueError, match=match):
+                call()
+
+
 def test_public_unpermute_takes_a_noncontiguous_map(device):
     """The C++ path refused it (RuntimeError), the Triton path read wrong rows."""
     x = torch.randn(9, 16, device=device)
