@@ -125,6 +125,10 @@ def _out_rows(fn, inp, routing_map, map_type, num_out_tokens, num_experts, align
         num_experts = C.as_int(fn, "num_experts (or None)", num_experts)
         if num_experts < 1:
             raise ValueError(f"{fn}: num_experts must be a positive int, got {num_experts}")
+        e_mask = routing_map.shape[1]
+        if map_type == "mask" and isinstance(e_mask, int) and num_experts != e_mask:
+            raise ValueError(f"{fn}: num_experts={num_experts} but the mask routing_map has "
+                             f"{e_mask} expert columns; drop num_experts or fix the map")
     n = C.check_num_out_tokens(fn, num_out_tokens)
     if n is None:
         if C.is_compiling():
@@ -282,7 +286,9 @@ def moe_permute_and_pad_with_probs(
       ``pad_offsets`` is ``None`` when no group needed padding.
     * Sync-free (``num_out_tokens=<upper bound>``, works under ``fullgraph=True`` and CUDA
       graph capture): N is the bound, rows past the padded total are zero, rows past N
-      are dropped, and ``pad_offsets`` is always a tensor.
+      are dropped, and ``pad_offsets`` is always a tensor. A ``tokens_per_expert`` on
+      inp's device is checked without a sync (an async device assert on CUDA; at once on
+      the CPU); a CPU one beside CUDA inputs is not checked in this form.
     """
     fn = "moe_permute_and_pad_with_probs"
     align_size = C.as_int(fn, "align_size", align_size)
@@ -331,6 +337,12 @@ def moe_permute_and_pad_with_probs(
         num_out_tokens = int(target_h.sum())
         if not bool((target_h != counts_h).any()):
             pad_offsets = None
+    elif tokens_per_expert is not None and tokens_per_expert.device == counts.device:
+        # sync-free: an async device check (CPU: at once); a CPU tokens_per_expert beside
+        # CUDA inputs stays unchecked (a copy to the device would not capture in a graph)
+        C.check_values(fn, (tokens_per_expert.long() == counts).all(),
+                       "tokens_per_expert does not match routing_map's column counts; pass "
+                       "routing_map.sum(0) (or None)")
     out, pp, rid = _permute(fn, inp, probs, routing_map, "mask", num_out_tokens, None,
                             quantize, quantize_scale, align_size)
     return out, pp, rid, pad_offsets, target

@@ -45,8 +45,13 @@ ids = torch.zeros(6, 2, dtype=torch.long)
             x, torch.rand(6, 4), mask, torch.tensor([1, 0, 0, 0]), 4), ValueError,
          "tokens_per_expert does not match"),
         (lambda: qmoe.moe_permute_and_pad_with_probs(
+            x, torch.rand(6, 4), mask, torch.tensor([1, 0, 0, 0]), 4, num_out_tokens=40),
+         ValueError, "tokens_per_expert does not match"),  # the sync-free form checks too
+        (lambda: qmoe.moe_permute_and_pad_with_probs(
             x, torch.rand(6, 4), mask, torch.tensor([6, 0]), 4), ValueError,
          r"tokens_per_expert must be \[E\]"),
+        (lambda: qmoe.moe_permute(x, mask, num_experts=5), ValueError,
+         "num_experts=5 but the mask routing_map has 4 expert columns"),
         (lambda: qmoe.moe_unpermute(x, torch.zeros(6, 9)), TypeError, "row_id_map must have"),
         (lambda: qmoe.moe_unpermute(x, torch.zeros(6, 8, dtype=torch.int32)), ValueError,
          r"\[T, 2\*S \+ 1\]"),
