@@ -127,3 +127,32 @@ def test_tensor_num_out_tokens_with_captured_scalars():
     assert got[0].shape[0] == int(mask.sum())
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("fullgraph", [True, False])
+def test_bad_input_under_compile(fullgraph):
+    """Bad input under torch.compile raises with qmoe's message: the checks in the public
+    functions as a ValueError/TypeError when the region falls back to eager, or Dynamo's
+    Unsupported (quoting the message) under fullgraph; a refusal of the subclass dispatch
+    (mixed recipes) as Dynamo's TorchRuntimeError quoting it; value checks on data when
+    the graph runs."""
+    t, h, e = 8, 128, 4
+    ids, mask = routing(t, e, 2, "random", DEV)
+    x = torch.randn(t, h, device=DEV)
+    qb = qmoe.quantize(x, qmoe.Blockwise())
+    qm = qmoe.quantize(x, qmoe.MXFP8())
+    cases = [  # (call, message, raised by the public function's own Python checks)
+        (lambda x: qmoe.moe_permute(x, mask)[0], "pass num_out_tokens", True),
+        (lambda x: qmoe.moe_permute_with_probs(x, qb, mask, 16)[0], "probs", True),
+        (lambda x: qmoe.moe_permute(torch.cat([qb, qm]), torch.cat([mask, mask]), 32)[0],
+         "one recipe", False),
+        (lambda x: qmoe.moe_permute(x, ids + 3, 16, map_type="index", num_experts=e)[0],
+         "num_experts=4", False),
+    ]
+    for fn, msg, python_check in cases:
+        torch._dynamo.reset()
+        with pytest.raises(Exception) as info:
+            torch.compile(fn, fullgraph=fullgraph)(x)
+        assert msg in str(info.value), (msg, str(info.value)[:400])
+        if python_check and not fullgraph:
+            assert isinstance(info.value, (ValueError, TypeError)), type(info.value)
