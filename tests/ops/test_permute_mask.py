@@ -21,6 +21,7 @@ CASES = [  # (T, H, E, K, kind)
     (1, 1, 4, 2, "random"), (63, 17, 7, 3, "sentinels"), (64, 300, 8, 8, "random"),
     (40, 64, 256, 8, "no_route_tokens"), (20, 33, 16, 1, "one_expert"),
     (30, 16, 8, 2, "empty_experts"), (0, 8, 4, 2, "random"), (70, 8, 1024, 4, "random"),
+    (3, 7168, 8, 3, "sentinels"),
 ]
 
 

@@ -158,6 +158,13 @@ def _launches():
         for align, one in ((1, False), (16, True)):
             quantize_permute_mask_triton(x, mask, n, align, probs, bs, torch.float8_e4m3fn, mode,
                                          None, one_launch=one)
+    x7 = torch.randn(t, 7168, dtype=torch.bfloat16)  # the widest tiles (4096 columns)
+    B.permute_rows(x7, rid, n, probs, use_triton=True, fill=fill)
+    permute_mask_triton(x7.view(torch.uint8), mask, n, 1, probs)
+    B.unpermute_rows(torch.randn(n, 7168, dtype=torch.bfloat16), rid, probs, use_triton=True)
+    for bs, mode in ((128, "amax"), (32, "mx_floor")):
+        quantize_permute_triton(x7, rid, probs, n, bs, torch.float8_e4m3fn, mode, None, fill)
+        quantize_permute_mask_triton(x7, mask, n, 1, probs, bs, torch.float8_e4m3fn, mode, None)
     given = torch.tensor(0.01)
     quantize_rows_triton(x, 512, torch.float8_e5m2, "given", given)
     quantize_permute_triton(x, rid, None, n, 0, torch.float8_e5m2, "given", given, fill)
