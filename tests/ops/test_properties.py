@@ -103,19 +103,32 @@ def test_permute_then_unpermute_counts_routes(r, extra, weighted, recipe):
                                        rtol=4 * 2.0**-24, atol=0)
 
 
-@given(r=routings(), align=st.sampled_from([1, 4, 16, 32]), recipe=RECIPE)
-def test_pad_variant_both_forms(r, align, recipe):
+@given(r=routings(), align=st.sampled_from([1, 4, 16, 32]), recipe=RECIPE,
+       spare=st.integers(-12, 12))
+def test_pad_variant_both_forms(r, align, recipe, spare):
+    """TransformerEngine's form (N counted, one sync) and the sync-free form (N = the
+    padded total + spare: rows past the total zero, routes past N dropped), each against
+    the reference; FP8 padding and spare rows dequantize to exact zeros."""
     x, ids, mask, probs, _ = r
     inp = _inp(x, recipe)
     tpe = mask.sum(0)
+    rows = x if recipe is None else inp.qdata.view(torch.uint8)
     out, pp, rid, pad_offsets, target = qmoe.moe_permute_and_pad_with_probs(
         inp, probs, mask, tpe, align)
-    want, pp_want, _ = R.permute(x if recipe is None else inp.qdata.view(torch.uint8),
-                                 mask, "mask", None, probs, align_size=align)
-    got_rows = out if recipe is None else out.qdata.view(torch.uint8)
-    assert_same_bits(got_rows.cpu(), want)
-    assert_same_bits(pp.cpu(), pp_want)
     assert int(target.sum()) == out.shape[0] and (target % align == 0).all()
+    bound = max(0, out.shape[0] + spare)
+    out_b, pp_b, _, po_b, target_b = qmoe.moe_permute_and_pad_with_probs(
+        inp, probs, mask, tpe, align, num_out_tokens=bound)
+    assert isinstance(po_b, torch.Tensor) and torch.equal(target_b, target)
+    for got, got_p, n in ((out, pp, None), (out_b, pp_b, bound)):
+        want, pp_want, pos = R.permute(rows, mask, "mask", n, probs, align_size=align)
+        got_rows = got if recipe is None else got.qdata.view(torch.uint8)
+        assert_same_bits(got_rows.cpu(), want)
+        assert_same_bits(got_p.cpu(), pp_want)
+        if recipe is not None:  # rows no route fills (padding, spare) dequantize to zeros
+            filled = torch.zeros(got.shape[0], dtype=torch.bool)
+            filled[[p for p in pos if p >= 0]] = True
+            assert not got.dequantize()[~filled.to(got.device)].float().any()
 
 
 @st.composite
