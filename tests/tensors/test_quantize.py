@@ -218,3 +218,20 @@ def test_constructor_checks():
         qmoe.MXFP8Tensor(q8, torch.ones(4, 8), torch.bfloat16)
     with pytest.raises(TypeError, match="orig_dtype"):
         qmoe.Float8Tensor(q8, torch.tensor(1.0), torch.int32)
+
+
+@pytest.mark.parametrize("t", [7, 0])
+def test_quantize_ops_opcheck(t):
+    """The three quantize ops pass opcheck (fake = real, schema, dispatch), empty input
+    included. They carry no autograd registration (``qmoe.quantize``'s autograd function
+    gives the gradient), so their inputs need no grad here."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.randn(t, 300, device=dev, dtype=torch.bfloat16)
+    for bs, dt, mode in ((128, torch.float8_e4m3fn, "amax"), (128, torch.float8_e5m2, "pow2"),
+                         (32, torch.float8_e4m3fn, "mx_floor")):
+        torch.library.opcheck(torch.ops.qmoe.quantize_blocks.default, (x, bs, dt, mode))
+    scale = torch.tensor(0.02, device=dev)
+    for dt in (torch.float8_e4m3fn, torch.float8_e5m2):
+        torch.library.opcheck(torch.ops.qmoe.quantize_with_scale.default, (x, scale, dt))
+        torch.library.opcheck(torch.ops.qmoe.per_tensor_scale.default,
+                              (x, fp8_max(dt), dt == torch.float8_e5m2))
