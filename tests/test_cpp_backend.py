@@ -93,11 +93,13 @@ def test_move_and_merge(dtype, t, h, e, k, extra, offset):
     assert ((gw.double() - ref).abs() <= (h + 1) * 2**-24 * mag + 1e-30).all()
 
 
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("recipe", ["pertensor", "blockwise", "mx"])
-def test_unpermute_fp8(recipe):
+def test_unpermute_fp8(recipe, fp8):
     from qmoe.ops.fp8 import _bits, _layout
 
-    r = {"pertensor": qmoe.PerTensor(), "blockwise": qmoe.Blockwise(), "mx": qmoe.MXFP8()}[recipe]
+    r = {"pertensor": qmoe.PerTensor(fp8), "blockwise": qmoe.Blockwise(fp8_dtype=fp8),
+         "mx": qmoe.MXFP8(fp8)}[recipe]
     t, e = 40, 8
     ids, mask = routing(t, e, 3, "random")
     n = int(mask.sum())

@@ -80,6 +80,17 @@ ids = torch.zeros(6, 2, dtype=torch.long)
          ValueError, "split_sizes must be >= 0"),
         (lambda: qmoe.moe_sort_chunks_by_index(x, torch.tensor([3., 3.]), torch.tensor([1, 0])),
          TypeError, "split_sizes must have dtype"),
+        (lambda: qmoe.moe_unpermute(x, qmoe.moe_permute(x, mask)[1],
+                                    qmoe.quantize(torch.rand(6, 4), qmoe.PerTensor())),
+         TypeError, "merging_probs is a Float8Tensor; only inp may be quantized"),
+        (lambda: qmoe.moe_permute(qmoe.quantize(torch.randn(2, 3, 128), qmoe.Blockwise()),
+                                  mask), ValueError, "inp must be 2-d"),
+        (lambda: qmoe.moe_permute(x, mask, 12, quantize=qmoe.PerTensor(),
+                                  quantize_scale=torch.tensor([1.0, 2.0])), ValueError,
+         "quantize_scale must be a one-element tensor"),
+        (lambda: qmoe.moe_permute(x, mask, 12, quantize=qmoe.PerTensor(),
+                                  quantize_scale=torch.tensor(1.0, device="meta")), ValueError,
+         "quantize_scale is on meta but inp is on cpu"),
     ],
 )
 def test_bad_input(call, exc, match):

@@ -149,7 +149,8 @@ def test_empty_inputs():
     nothing = torch.zeros(3, 4, dtype=torch.bool, device=DEV)
     out, rid = qmoe.moe_permute(torch.randn(3, 16, device=DEV), nothing)
     assert out.shape == (0, 16)
-    assert not qmoe.moe_unpermute(out, rid).any()
+    merged = qmoe.moe_unpermute(out, rid)
+    assert merged.shape == (3, 16) and not merged.any()
 
 
 def test_strided_input():
