@@ -218,3 +218,48 @@ def test_sanitizer_findings_raise():
         ops.make_row_id_map(torch.ones(4, 4, dtype=torch.bool), 16, False, 2**62)
     with pytest.raises(ValueError, match="row_id_map rows are int32"):  # rows truncated
         ops.make_row_id_map(torch.tensor([[5, 1]]), 10**12, True, 1)
+
+
+def _into_poison(call, nbytes: int, tries: int = 20):
+    """``call()`` with its output allocated over a just-freed block of 0xFF bytes (the
+    CPU allocator hands the same block back for a same-size request, which is checked):
+    every byte the op does not write would show. Blocks stay small (below malloc's mmap
+    threshold, where fresh pages would come zeroed)."""
+    for _ in range(tries):
+        block = torch.full((nbytes,), 0xFF, dtype=torch.uint8)
+        ptr = block.data_ptr()
+        del block
+        out = call()
+        first = out[0] if isinstance(out, (tuple, list)) else out
+        if first.data_ptr() == ptr:
+            return out
+        del out, first
+    pytest.fail(f"the allocator never handed back the poisoned block of {nbytes} bytes")
+
+
+def test_outputs_fully_written_over_poison():
+    """The C++ ops write every byte of their outputs: zero rows of a fixed-size permute
+    (spare rows), tokens with no route in a merge, rows past the chunks in a chunk sort."""
+    from qmoe.ops.fp8 import _bits, _layout
+
+    t, h, e = 24, 40, 6
+    ids, mask = routing(t, e, 2, "no_route_tokens")
+    x = torch.randn(t, h)
+    n = int(mask.sum()) + 7  # seven rows no route fills
+    rid = _mask_rows(mask, n, 1)
+    out = _into_poison(lambda: ops.permute(x, rid, None, n), n * h * 4)
+    assert_same_bits(out[0], B.permute_rows(x, rid, n, use_triton=False))
+    y = torch.randn(n, h)
+    w = torch.rand(t, e)
+    for weights in (None, w):
+        got = _into_poison(lambda w=weights: ops.unpermute(y, rid, w), t * h * 4)
+        assert_same_bits(got, B.unpermute_rows(y, rid, weights, use_triton=False))
+    q = qmoe.quantize(torch.randn(n, 256), qmoe.Blockwise())
+    got = _into_poison(lambda: ops.unpermute_fp8(_bits(q), q.raw_scale, rid, w, _layout(q),
+                                                 128, q.fp8_dtype, torch.float32), t * 256 * 4)
+    assert_same_bits(got, B.unpermute_fp8_rows(_bits(q), q.raw_scale, _layout(q), 128,
+                                               q.fp8_dtype, rid, w, torch.float32,
+                                               use_triton=False))
+    sizes, order = torch.tensor([5, 0, 9]), torch.tensor([2, 0, 1])  # 10 rows stay
+    got = _into_poison(lambda: ops.sort_chunks(x, sizes, order, None), t * h * 4)
+    assert_same_bits(got[0], x[chunk_source_rows(sizes, order, t)])
