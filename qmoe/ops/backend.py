@@ -217,6 +217,16 @@ def tail_programs(n: int) -> int:
     return max(1, min(256, cdiv(n, 64)))
 
 
+def _merge_routes(vals: torch.Tensor, tok: torch.Tensor, col: torch.Tensor,
+                  weights: torch.Tensor | None, t: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """The torch merge: each route's fp32 row ``vals [R, H]`` (times ``weights[tok, col]``)
+    summed into its token in route order; ``[T, H]`` in ``out_dtype``."""
+    if weights is not None:
+        vals = vals * weights[tok, col].float()[:, None]
+    acc = torch.zeros(t, vals.shape[1], dtype=torch.float32, device=vals.device)
+    return acc.index_add_(0, tok, vals).to(out_dtype)
+
+
 def unpermute_rows(
     x: torch.Tensor,
     rid: torch.Tensor,
@@ -233,13 +243,8 @@ def unpermute_rows(
     out_dtype = out_dtype or x.dtype
     use_triton = x.is_cuda if use_triton is None else use_triton
     if not use_triton:
-        acc = torch.zeros(t, h, dtype=torch.float32, device=x.device)
         tok, row, col = _routes(rid, weights, rows=x.shape[0])
-        val = x[row].float()
-        if weights is not None:
-            val = val * weights[tok, col].float()[:, None]
-        acc.index_add_(0, tok, val)
-        return acc.to(out_dtype)
+        return _merge_routes(x[row].float(), tok, col, weights, t, out_dtype)
     from qmoe.ops._kernels.permute import unpermute_gather_kernel
 
     if out is None:
@@ -350,9 +355,11 @@ def unpermute_fp8_rows(
     """Merge of quantized rows ``qbits [N, H]`` (uint8 fp8 bits) with their scales: each
     row dequantized (fp32) and summed in fp32; ``[T, H]`` in ``out_dtype``."""
     use_triton = qbits.is_cuda if use_triton is None else use_triton
-    if not use_triton:
-        x = dequantize_rows(qbits, scale, layout, block_size, fp8_dtype)
-        return unpermute_rows(x, rid, weights, out_dtype, use_triton=False)
+    if not use_triton:  # dequantize the routed rows only (not all N: fp32 is 4x the bits)
+        tok, row, col = _routes(rid, weights, rows=qbits.shape[0])
+        s = scale if layout == FP8_PER_TENSOR else scale[row]
+        vals = dequantize_rows(qbits[row], s, layout, block_size, fp8_dtype)
+        return _merge_routes(vals, tok, col, weights, rid.shape[0], out_dtype)
     from qmoe.ops._kernels.permute import unpermute_fp8_kernel
 
     t, h = rid.shape[0], qbits.shape[1]
