@@ -31,10 +31,13 @@ def _check_moved(out, q, rm, map_type, n=None, align=1):
 
 @pytest.mark.parametrize("name", list(FP8_RECIPES))
 @pytest.mark.parametrize("map_type", ["mask", "index"])
-@pytest.mark.parametrize("t,h,extra", [(63, 129, 0), (37, 300, -9), (5, 17, 4)])
-def test_permute_moves_qdata_and_scales(name, map_type, t, h, extra):
-    e, k = 8, 3
-    ids, mask = routing(t, e, k, "sentinels", DEV)
+@pytest.mark.parametrize("t,h,e,k,kind,extra", [
+    (63, 129, 8, 3, "sentinels", 0), (37, 300, 8, 3, "sentinels", -9),
+    (5, 17, 8, 3, "sentinels", 4), (1, 7168, 256, 8, "random", 0),
+    (1025, 1, 4, 4, "random", 3), (40, 64, 1024, 1, "one_expert", -5),
+])
+def test_permute_moves_qdata_and_scales(name, map_type, t, h, e, k, kind, extra):
+    ids, mask = routing(t, e, k, kind, DEV)
     rm = mask if map_type == "mask" else ids
     q = qmoe.quantize(torch.randn(t, h, dtype=torch.bfloat16, device=DEV), FP8_RECIPES[name])
     n = max(0, int(mask.sum()) + extra)
@@ -59,16 +62,19 @@ def test_pad_variant_zero_padding(name):
     ids, mask = routing(t, e, 2, "empty_experts", DEV)
     q = qmoe.quantize(torch.randn(t, h, device=DEV), FP8_RECIPES[name])
     probs = torch.rand(t, e, device=DEV)
-    with qmoe.strict_dispatch():
-        out, pp, rid, po, target = qmoe.moe_permute_and_pad_with_probs(q, probs, mask, None, 16)
-    _check_moved(out, q, mask, "mask", align=16)
-    real = torch.zeros(out.shape[0], dtype=torch.bool)
-    s = (rid.shape[1] - 1) // 2
-    for tok in range(t):
-        for j in range(int(rid[tok, 2 * s])):
-            real[int(rid[tok, j])] = True
-    deq = out.dequantize(torch.float32).cpu()
-    assert torch.equal(deq[~real], torch.zeros_like(deq[~real]))  # pads: exact zeros
+    padded = int(((mask.sum(0) + 15) // 16 * 16).sum())
+    for bound in (None, padded + 7, padded - 5):  # both forms: spare rows, dropped routes
+        with qmoe.strict_dispatch():
+            out, pp, rid, po, target = qmoe.moe_permute_and_pad_with_probs(
+                q, probs, mask, None, 16, num_out_tokens=bound)
+        _check_moved(out, q, mask, "mask", n=bound, align=16)
+        real = torch.zeros(out.shape[0], dtype=torch.bool)
+        s = (rid.shape[1] - 1) // 2
+        for tok in range(t):
+            for j in range(int(rid[tok, 2 * s])):
+                real[int(rid[tok, j])] = True
+        deq = out.dequantize(torch.float32).cpu()
+        assert torch.equal(deq[~real], torch.zeros_like(deq[~real]))  # pads: exact zeros
 
 
 @pytest.mark.parametrize("name", list(FP8_RECIPES))
