@@ -153,13 +153,47 @@ def test_empty_inputs():
     assert merged.shape == (3, 16) and not merged.any()
 
 
-def test_strided_input():
-    base = torch.randn(50, 96, device=DEV)
-    x = base[:, 8:72]  # row stride 96, not contiguous
-    ids, mask = routing(50, 8, 2, "random", DEV)
-    out, _ = qmoe.moe_permute(x, mask)
-    ref, _, _ = R.permute(x.contiguous().cpu(), mask.cpu(), "mask")
-    assert_same_bits(out.cpu(), ref)
+@pytest.mark.parametrize("layout", ["row_stride", "column_major", "every_other_row"])
+def test_strided_input(layout):
+    """Strided inp, probs and maps through every public op, both map types: the same bits
+    (merges: the same values) as their contiguous copies."""
+    t, h, e, k = 50, 64, 8, 2
+    base = torch.randn(2 * t, 96, device=DEV)
+    x = {"row_stride": base[:t, 8:72], "column_major": base[:t, :h].t().contiguous().t(),
+         "every_other_row": base[::2, :h]}[layout]
+    assert not x.is_contiguous()
+    ids, mask = routing(t, e, k, "random", DEV)
+    probs = torch.rand(e, t, device=DEV).t()  # column-major probs
+    for rm, map_type, p in ((mask, "mask", probs), (ids, "index", probs[:, :k])):
+        ref, _, _ = R.permute(x.contiguous().cpu(), rm.cpu(), map_type)
+        out, pp, rid = qmoe.moe_permute_with_probs(x, p, rm, map_type=map_type)
+        assert_same_bits(out.cpu(), ref)
+        out_c, pp_c, _ = qmoe.moe_permute_with_probs(x.contiguous(), p.contiguous(), rm,
+                                                     map_type=map_type)
+        assert_same_bits(pp, pp_c)
+        y_src = torch.randn(out.shape[1], out.shape[0], device=DEV).t()  # strided merge inp
+        assert_same_bits(qmoe.moe_unpermute(y_src, rid, p, map_type=map_type),
+                         qmoe.moe_unpermute(y_src.contiguous(), rid, p.contiguous(),
+                                            map_type=map_type))
+    sizes, order = torch.tensor([20, 0, 30], device=DEV), torch.tensor([2, 0, 1], device=DEV)
+    assert_same_bits(qmoe.moe_sort_chunks_by_index(x, sizes, order),
+                     qmoe.moe_sort_chunks_by_index(x.contiguous(), sizes, order))
+
+
+@pytest.mark.parametrize("name", ["blockwise-e4m3", "mx-e5m2", "pertensor-e4m3"])
+def test_strided_quantized_input(name):
+    """Row views of quantized tensors (every other row; a block-aligned column slice)
+    permute as their clones do."""
+    from tests.tensors.helpers import RECIPES, assert_same_quantized
+
+    t, e, k = 40, 8, 2
+    q = qmoe.quantize(torch.randn(2 * t, 512, device=DEV), RECIPES[name])
+    ids, mask = routing(t, e, k, "random", DEV)
+    for view in (q[::2], q[:t, 128:384]):
+        for rm, map_type in ((mask, "mask"), (ids, "index")):
+            got, _ = qmoe.moe_permute(view, rm, t * k, map_type=map_type)
+            want, _ = qmoe.moe_permute(view.clone(), rm, t * k, map_type=map_type)
+            assert_same_quantized(got, want)
 
 
 def test_integer_mask_and_int32_ids():
