@@ -62,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--topk", type=int, default=2)
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--recipes", default="blockwise,mx,pertensor",
+                   help="comma list of blockwise, mx, pertensor (the bf16 row always runs)")
     a = p.parse_args(argv)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     t, h, f, e, k = a.tokens, a.hidden, a.ffn, a.experts, a.topk
@@ -93,12 +95,15 @@ def main(argv: list[str] | None = None) -> int:
            f"{'eager ms':>10}{'compiled ms':>13}")
     print(hdr)
     print("-" * len(hdr))
-    recipes = {
-        "bf16 (reference)": None,
-        "Blockwise(128, e4m3)": qmoe.Blockwise(),
-        "MXFP8(e4m3)": qmoe.MXFP8(),
-        "PerTensor(e4m3)": qmoe.PerTensor(),
+    known = {
+        "blockwise": ("Blockwise(128, e4m3)", qmoe.Blockwise()),
+        "mx": ("MXFP8(e4m3)", qmoe.MXFP8()),
+        "pertensor": ("PerTensor(e4m3)", qmoe.PerTensor()),
     }
+    chosen = [r.strip() for r in a.recipes.split(",") if r.strip()]
+    if unknown := [r for r in chosen if r not in known]:
+        p.error(f"--recipes: unknown {unknown}; choose from {sorted(known)}")
+    recipes = {"bf16 (reference)": None, **dict(known[r] for r in chosen)}
     ok = True
     for name, recipe in recipes.items():
         y, dx, out = step(moe_block, recipe)
