@@ -35,7 +35,7 @@ bench: setup
 # goes into .triton36/ beside this machine's own (tests/ops/test_sm90_compile.py's main).
 TRITON_GPU ?= 3.6.0
 sm90-triton36: setup
-	$(PY) -m pip install -q --no-deps --target .triton36 "triton==$(TRITON_GPU)"
+	$(PY) -m pip install -q --no-deps --upgrade --target .triton36 "triton==$(TRITON_GPU)"
 	env -u TRITON_INTERPRET CUDA_VISIBLE_DEVICES= PYTHONPATH="$(CURDIR)/.triton36" $(PY) -c \
 		"import triton; assert triton.__version__ == '$(TRITON_GPU)', triton.__version__; \
 		from tests.ops.test_sm90_compile import main; main()"

@@ -158,7 +158,8 @@ def check_num_out_tokens(fn: str, num_out_tokens) -> int | None:
         )
     # plain ints only: on a SymInt the compare would become a guard narrowing T, which
     # torch.export with a named Dim refuses (the C++ and map kernels check at run time)
-    if isinstance(num_out_tokens, int) and num_out_tokens > ID_LIMIT:
+    # (under Dynamo a SymInt passes isinstance(int): is_compiling keeps the guard out)
+    if isinstance(num_out_tokens, int) and not is_compiling() and num_out_tokens > ID_LIMIT:
         raise ValueError(f"{fn}: num_out_tokens must be < 2**31 (row_id_map rows are int32), "
                          f"got {num_out_tokens}")
     return num_out_tokens

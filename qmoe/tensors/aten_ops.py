@@ -165,7 +165,7 @@ def _index(func, types, args, kwargs):
 
 
 def _check_same_layout(tensors, op: str) -> QuantizedTensor:
-    first = tensors[0]
+    first = next((t for t in tensors if isinstance(t, QuantizedTensor)), tensors[0])
     for t in tensors:
         if not isinstance(t, QuantizedTensor) or not first.same_layout(t):
             raise TypeError(
@@ -249,6 +249,18 @@ def _copy_(func, types, args, kwargs):
         )
     if dst.shape != src.shape:
         raise ValueError(f"copy_: shapes differ: {tuple(dst.shape)} vs {tuple(src.shape)}")
+    if dst.block_size is None and dst.qdata._is_view():
+        # A view (q[0], q[1:], a column slice) shares its per-tensor scale with the rest of
+        # the tensor: keep that scale and write src's values requantized to it (its bits
+        # as they are where the two scales are equal).
+        from qmoe.tensors.quantize import _saturate_cast
+
+        same = (src.raw_scale == dst.raw_scale).reshape(())
+        requant = _saturate_cast(src.qdata.float() * (src.raw_scale / dst.raw_scale),
+                                 dst.fp8_dtype)
+        dst.qdata.view(torch.uint8).copy_(torch.where(
+            same, src.qdata.view(torch.uint8), requant.view(torch.uint8)))
+        return dst
     dst.qdata.copy_(src.qdata)
     dst.raw_scale.copy_(src.raw_scale)
     return dst

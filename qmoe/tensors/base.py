@@ -371,6 +371,13 @@ class QuantizedTensor(torch.Tensor):
         impl = _PASSTHROUGH.get(func)
         if impl is not None:
             return impl(func, args, kwargs)
+        if func._schema.is_mutable:
+            raise QuantizedDispatchError(
+                f"{func} writes into its arguments and has no quantized implementation for "
+                f"{cls.__name__}: the dequantizing fallback would modify a temporary copy "
+                "and leave the quantized tensor unchanged; dequantize() first, or write "
+                "quantized rows with copy_ / index_copy_ of a tensor of the same recipe"
+            )
         if _STRICT.get():
             raise QuantizedDispatchError(
                 f"{func} has no quantized implementation for {cls.__name__} and strict "

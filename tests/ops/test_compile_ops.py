@@ -118,7 +118,9 @@ def test_tensor_num_out_tokens_with_captured_scalars():
 
     def f(x, mask, probs):
         out, pp, rid = qmoe.moe_permute_with_probs(x, probs, mask, mask.sum())
-        return out, qmoe.moe_unpermute(out * pp[:, None], rid, probs)
+        padded = qmoe.moe_permute_and_pad_with_probs(x, probs, mask, None, 8,
+                                                     num_out_tokens=mask.sum() + 6 * 8)
+        return out, qmoe.moe_unpermute(out * pp[:, None], rid, probs), padded[0]
 
     x, probs = torch.randn(t, h, device=DEV), torch.rand(t, e, device=DEV)
     with torch._dynamo.config.patch(capture_scalar_outputs=True):
