@@ -106,12 +106,32 @@ def _setup_backward(ctx, inputs, output):
     ctx.save_for_backward(grad_out, row_id_map, merging_probs, fwd_inp)
 
 
+def _route_weights(rid: torch.Tensor, w: torch.Tensor, n: int) -> torch.Tensor:
+    """``[N]`` fp32: ``w[t, c]`` at the row of each kept route (t, c), zero elsewhere.
+    Plain torch (differentiable, no host sync): NaN and inf pass through, where the merge
+    kernels would refuse them as weights (a device assert on CUDA)."""
+    s = num_slots(rid)
+    valid = torch.arange(s, device=rid.device) < rid[:, 2 * s : 2 * s + 1]
+    rows = torch.where(valid, rid[:, :s], n).long()  # invalid slots: a spare row, dropped
+    cols = torch.where(valid, rid[:, s : 2 * s], 0).long()
+    vals = w.float().gather(1, cols)
+    out = torch.zeros(n + 1, dtype=torch.float32, device=w.device)
+    return out.scatter(0, rows.reshape(-1), vals.reshape(-1))[:n]
+
+
+def _plain_fp32(x: torch.Tensor) -> torch.Tensor:
+    from qmoe.tensors.base import QuantizedTensor
+
+    return x.dequantize(torch.float32) if isinstance(x, QuantizedTensor) else x.float()
+
+
 def _backward_backward(ctx, u_gi, u_gw):
     """Double backward of the merge. With ``gi[r] = w[t, c] * g[t]`` and
     ``gw[t, c] = <g[t], x[r]>`` over each kept route (t, c) -> row r:
-    ``d/dg = unpermute(u_gi, w) + unpermute(x, u_gw)``, ``d/dx = u_gw[t, c] * g[t]``
-    (``unpermute_backward(g, u_gw)``'s row gradient) and ``d/dw = <u_gi[r], g[t]>`` (its
-    weight gradient with ``u_gi`` in place of ``x``): the ops themselves, so this is
+    ``d/dg = unpermute(u_gi, w) + unpermute(x * u_gw[t, c])``, ``d/dx = u_gw[t, c] *
+    g[t]`` at row r, and ``d/dw = <u_gi[r], g[t]>`` (``unpermute_backward``'s weight
+    gradient with ``u_gi`` in place of ``x``). The upstream ``u_gw`` (which may hold NaN,
+    e.g. under a gradient scaler) is applied per row in torch, not as merge weights. All
     differentiable again."""
     g, rid, w, x = ctx.saved_tensors
     n = ctx.num_rows
@@ -122,10 +142,12 @@ def _backward_backward(ctx, u_gi, u_gw):
         if w is not None and ctx.needs_input_grad[2]:
             dw = torch.ops.qmoe.unpermute_backward(g, rid, w, u_gi, n)[1]
     if has_gw:
-        merged = torch.ops.qmoe.unpermute(x.to(g.dtype), rid, u_gw)
+        w_row = _route_weights(rid, u_gw, n)[:, None]
+        merged = torch.ops.qmoe.unpermute(_plain_fp32(x) * w_row, rid, None).to(g.dtype)
         dg = merged if dg is None else dg + merged
         if ctx.needs_input_grad[3]:
-            dx = torch.ops.qmoe.unpermute_backward(g, rid, u_gw, None, n)[0].to(x.dtype)
+            rows = torch.ops.qmoe.permute(g, rid, None, n)[0]
+            dx = (rows.float() * w_row).to(x.dtype)
     return (None if dg is None else dg.to(g.dtype)), None, dw, dx, None
 
 

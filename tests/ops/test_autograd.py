@@ -193,3 +193,24 @@ def test_unpermute_double_backward(map_type, weighted):
     assert len(got) == len(want)
     for g, wnt in zip(got, want):
         torch.testing.assert_close(g.cpu().double(), wnt, rtol=1e-5, atol=1e-5)
+
+
+def test_unpermute_double_backward_passes_nan_through():
+    """A NaN in the upstream gradient of the merge weights' gradient (an overflowing scaled
+    loss under a gradient scaler) comes out as NaN, as in plain torch: the double backward
+    does not hand it to the merge kernels as weights (which refuse NaN weights with a
+    device assert on CUDA)."""
+    t, h, e, k = 6, 8, 4, 2
+    _, mask = routing(t, e, k, "random", DEV)
+    _, rid = qmoe.moe_permute(torch.randn(t, 1, device=DEV), mask)
+    y = torch.randn(int(mask.sum()), h, device=DEV, requires_grad=True)
+    w = torch.rand(t, e, device=DEV, requires_grad=True)
+    u = qmoe.moe_unpermute(y, rid, w)
+    gy, gw = torch.autograd.grad(u.square().sum(), [y, w], create_graph=True)
+    c = torch.ones(t, e, device=DEV)
+    c[0] = float("nan")
+    hy, hw = torch.autograd.grad((gw * c).sum(), [y, w])
+    token0_rows = rid[0, : int(rid[0, -1])].long()
+    assert hy[token0_rows].isnan().all() and not hy[~torch.isin(
+        torch.arange(hy.shape[0], device=DEV), token0_rows)].isnan().any()
+    assert hw[0].isnan().any() and not hw[1:].isnan().any()
