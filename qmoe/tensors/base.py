@@ -127,8 +127,15 @@ def passthrough_ops() -> tuple[Any, ...]:
 
 def rebuild_quantized(cls: type, bits: torch.Tensor, fp8_dtype: torch.dtype,
                       raw_scale: torch.Tensor, attrs: tuple, requires_grad: bool):
-    """The unpickler of ``QuantizedTensor.__reduce_ex__``."""
-    return cls(bits.view(fp8_dtype), raw_scale, *attrs, requires_grad=requires_grad)
+    """The unpickler of ``QuantizedTensor.__reduce_ex__`` (its arguments checked: it is on
+    the ``weights_only`` allow-list)."""
+    if not (isinstance(cls, type) and issubclass(cls, QuantizedTensor)):
+        raise TypeError(f"rebuild_quantized: {cls!r} is not a qmoe quantized tensor type")
+    if fp8_dtype not in FP8_DTYPES or not isinstance(bits, torch.Tensor) or (
+            bits.dtype != torch.uint8):
+        raise TypeError("rebuild_quantized: expected uint8 bits and an fp8 dtype, got "
+                        f"{getattr(bits, 'dtype', type(bits))} and {fp8_dtype}")
+    return cls(bits.view(fp8_dtype), raw_scale, *attrs, requires_grad=bool(requires_grad))
 
 
 def e8m0_to_fp32(bits: torch.Tensor) -> torch.Tensor:
@@ -315,15 +322,23 @@ class QuantizedTensor(torch.Tensor):
         return hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
 
     def __reduce_ex__(self, protocol: int):
-        """Pickle as ``(class, qdata's uint8 bits, fp8 dtype, scale, attributes)``. torch
-        2.13 pickles fp8 storages for ``torch.save`` only: plain ``pickle`` (multiprocessing,
-        Ray) writes them but cannot load them back ("UntypedStorage has no attribute
-        dtype"), so the bits travel as uint8 (``torch.save`` keeps views and shared
-        storage, as for any tensor). ``torch.load(weights_only=True)`` accepts
-        ``rebuild_quantized``, and still loads files written by torch's own reduction."""
-        return (rebuild_quantized, (type(self), self.qdata.view(torch.uint8),
-                                    self.qdata.dtype, self.raw_scale, self._attrs(),
-                                    self.requires_grad))
+        """Pickle as ``(class, qdata's uint8 bits, fp8 dtype, scale, attributes)`` plus the
+        tensor's Python state (``_is_param`` of a Parameter, user attributes), through
+        torch's ``_rebuild_from_type_v2``. torch 2.13 pickles fp8 storages for
+        ``torch.save`` only: plain ``pickle`` (multiprocessing, Ray) writes them but cannot
+        load them back ("UntypedStorage has no attribute dtype"), so the bits travel as
+        uint8 (``torch.save`` keeps views and shared storage, as for any tensor).
+        ``torch.load(weights_only=True)`` accepts ``rebuild_quantized``, and still loads
+        files written by torch's own reduction."""
+        if self.requires_grad and not self.is_leaf:
+            raise RuntimeError("Can't pickle a quantized tensor that requires grad and is not "
+                               "a leaf; detach() it first (as torch refuses for its tensors)")
+        fields = set(self.tensor_data_names) | set(self.tensor_attribute_names)
+        state = {k: v for k, v in self.__dict__.items() if k not in fields}
+        args = (type(self), self.qdata.view(torch.uint8), self.qdata.dtype, self.raw_scale,
+                self._attrs(), self.requires_grad)
+        return (torch._tensor._rebuild_from_type_v2,
+                (rebuild_quantized, type(self), args, state))
 
     def __tensor_flatten__(self) -> tuple[list[str], tuple[Any, ...]]:
         return list(self.tensor_data_names), self._attrs()

@@ -68,3 +68,46 @@ class _TorchReduction:
 def test_files_of_torchs_own_reduction_still_load(name):
     q = qmoe.quantize(torch.randn(5, 129), RECIPES[name])
     assert_same_quantized(_roundtrip(_TorchReduction(q)), q)
+
+
+def test_parameters_and_attributes_survive():
+    """A quantized Parameter stays a Parameter through torch.save (weights_only) and
+    pickle, user attributes come along, and torch.export's save/load of a module holding
+    one works; a non-leaf needing grad is refused, as torch refuses it."""
+    p = torch.nn.Parameter(qmoe.quantize(torch.randn(4, 64), qmoe.Blockwise(32)),
+                           requires_grad=False)
+    p.tag = "experts.0"
+    for out in (_roundtrip(p), pickle.loads(pickle.dumps(p))):
+        assert isinstance(out, torch.nn.Parameter) and out.tag == "experts.0"
+        assert_same_quantized(out, p)
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(qmoe.quantize(torch.randn(16, 64), qmoe.MXFP8()),
+                                        requires_grad=False)
+
+        def forward(self, x):
+            return x @ self.w.dequantize(torch.float32).t()
+
+    ep = torch.export.export(M(), (torch.randn(3, 64),))
+    buf = io.BytesIO()
+    torch.export.save(ep, buf)
+    buf.seek(0)
+    x = torch.randn(3, 64)
+    assert torch.equal(torch.export.load(buf).module()(x), ep.module()(x))
+    q = qmoe.quantize(torch.randn(4, 64, requires_grad=True), qmoe.Blockwise())
+    with pytest.raises(RuntimeError, match="not a leaf"):
+        pickle.dumps(q)
+
+
+def test_rebuild_quantized_checks_its_arguments():
+    from qmoe.tensors.base import rebuild_quantized
+
+    bits = torch.zeros(2, 4, dtype=torch.uint8)
+    with pytest.raises(TypeError, match="not a qmoe quantized tensor type"):
+        rebuild_quantized(torch.nn.Parameter, bits, torch.float8_e4m3fn, torch.tensor(1.0),
+                          (torch.float32,), False)
+    with pytest.raises(TypeError, match="fp8 dtype"):
+        rebuild_quantized(qmoe.Float8Tensor, bits, torch.int8, torch.tensor(1.0),
+                          (torch.float32,), False)
