@@ -236,6 +236,11 @@ def _empty_like(func, types, args, kwargs):
     )
 
 
+def _partial(t: torch.Tensor) -> bool:
+    """Whether ``t`` covers less than its whole storage (a view of part of a tensor)."""
+    return t.storage_offset() != 0 or t.untyped_storage().nbytes() != t.numel() * t.element_size()
+
+
 @implements(aten.copy_.default)
 def _copy_(func, types, args, kwargs):
     dst, src = args[0], args[1]
@@ -249,7 +254,7 @@ def _copy_(func, types, args, kwargs):
         )
     if dst.shape != src.shape:
         raise ValueError(f"copy_: shapes differ: {tuple(dst.shape)} vs {tuple(src.shape)}")
-    if dst.block_size is None and dst.qdata._is_view():
+    if dst.block_size is None and _partial(dst.qdata):
         # A view (q[0], q[1:], a column slice) shares its per-tensor scale with the rest of
         # the tensor: keep that scale and write src's values requantized to it (its bits
         # as they are where the two scales are equal).

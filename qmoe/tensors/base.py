@@ -283,7 +283,10 @@ class QuantizedTensor(torch.Tensor):
         ``scale_fn`` overrides the transform used for the scale.
         """
         s = self.raw_scale
-        return self._rewrap(fn(self.qdata), s if self.block_size is None else (scale_fn or fn)(s))
+        q = fn(self.qdata)
+        if self.block_size is None and not torch._C._is_alias_of(q, self.qdata):
+            s = s.clone()  # new rows own their scale: a copy_ into them must not rescale self
+        return self._rewrap(q, s if self.block_size is None else (scale_fn or fn)(s))
 
     # ---------------------------------------------------------- (de)quantize
     def scale_fp32(self) -> torch.Tensor:

@@ -197,3 +197,50 @@ def test_to_device_roundtrip(name):
     g = q.to("cuda")
     assert g.device.type == "cuda" and g.qdata.is_cuda and g.raw_scale.is_cuda
     assert_same_quantized(g.cpu(), q)
+
+
+def test_copy_into_a_view_keeps_the_shared_per_tensor_scale():
+    """``a[0] = b[0]`` and ``a[:, :4].copy_(...)`` on a per-tensor tensor: the scale shared
+    with the other rows stays, the source's values are requantized to it (bit copies where
+    the scales are equal, saturating like ``quantize`` with a given scale); rows gathered
+    by an index own their scale, so a copy_ into them leaves the source alone. Whole
+    tensors (``empty_like`` buffers) take the source's data and scale."""
+    x = torch.randn(4, 64)
+    a = qmoe.quantize(x, qmoe.PerTensor())
+    b = qmoe.quantize(x * 0.5, qmoe.PerTensor())
+    before = a.dequantize().clone()
+    a[0] = b[0]
+    want0 = qmoe.quantize(b[0].dequantize().reshape(1, -1), qmoe.PerTensor(), scale=a.scale)
+    assert torch.equal(a.qdata[0].view(torch.uint8), want0.qdata[0].view(torch.uint8))
+    assert torch.equal(a.dequantize()[1:], before[1:])  # other rows, scale untouched
+    c = a.clone()
+    a[1:].copy_(c[1:])  # equal scales: the bits themselves
+    assert_same_bits(a.qdata, c.qdata)
+    a[:, :32].copy_(qmoe.quantize(x[:, :32] * 1e3, qmoe.PerTensor()))  # saturates in a's range
+    assert torch.equal(a.dequantize()[:, 32:], c.dequantize()[:, 32:])
+    assert a.dequantize()[:, :32].abs().max() <= 448 * a.scale
+    src = qmoe.quantize(x, qmoe.PerTensor())
+    g = src[torch.tensor([0, 2])]
+    g.copy_(qmoe.quantize(x[:2] * 100, qmoe.PerTensor()))
+    assert torch.equal(src.dequantize(), qmoe.quantize(x, qmoe.PerTensor()).dequantize())
+    e = torch.empty_like(b)
+    e.copy_(b)
+    assert_same_bits(e.qdata, b.qdata)
+    assert torch.equal(e.scale, b.scale)
+
+
+@pytest.mark.parametrize("op", ["zero_", "mul_", "index_put_"])
+def test_in_place_fallback_refuses(op):
+    """An in-place op without a quantized implementation raises: the fallback would modify a
+    dequantized temporary and leave the tensor unchanged."""
+    q = qmoe.quantize(torch.randn(4, 128), qmoe.Blockwise())
+    calls = {"zero_": lambda: q.zero_(), "mul_": lambda: q.mul_(2),
+             "index_put_": lambda: q.index_put_((torch.tensor([1]),), torch.zeros(1, 128))}
+    with pytest.raises(qmoe.QuantizedDispatchError, match="writes into its arguments"):
+        calls[op]()
+
+
+def test_cat_with_a_plain_tensor_first():
+    q = qmoe.quantize(torch.randn(2, 64), qmoe.Blockwise(32))
+    with pytest.raises(TypeError, match="one recipe"):
+        torch.cat([torch.randn(2, 64), q])
