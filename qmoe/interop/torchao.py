@@ -228,6 +228,12 @@ def to_torchao(t: torch.Tensor, cls: type, **kwargs: Any) -> torch.Tensor:
     if cls is MXTensor:
         if not isinstance(t, MXFP8Tensor):
             raise ValueError(f"to_torchao: MXTensor needs an MXFP8Tensor, got {kind}")
+        if h % 32:
+            raise ValueError(f"to_torchao: MXTensor needs whole 1x32 blocks, H={h} is not a "
+                             "multiple of 32")
+        if not (t.qdata.is_contiguous() and t.scale_bits.is_contiguous()):
+            raise ValueError("to_torchao: MXTensor needs contiguous data and scales (its "
+                             "dequantize asserts it); pass t.contiguous()")
         from torchao.quantization.quantize_.common import KernelPreference
 
         return MXTensor(t.qdata, t.scale, t.qdata.dtype, 32, t.orig_dtype,

@@ -219,6 +219,10 @@ def test_conversion_errors():
         qmoe.to_torchao(qmoe.quantize(x, qmoe.PerTensor()), MXTensor)
     with pytest.raises(ValueError, match="does not tile"):
         qmoe.to_torchao(qmoe.quantize(x, qmoe.Blockwise()), AOFloat8Tensor)
+    with pytest.raises(ValueError, match="not a multiple of 32"):  # torchao could not use it
+        qmoe.to_torchao(qmoe.quantize(torch.randn(4, 200), qmoe.MXFP8()), MXTensor)
+    with pytest.raises(ValueError, match="contiguous"):
+        qmoe.to_torchao(qmoe.quantize(torch.randn(8, 256), qmoe.MXFP8())[::2], MXTensor)
     with pytest.raises(TypeError, match="expected one of torchao"):
         qmoe.from_torchao(x)
 
