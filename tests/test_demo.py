@@ -16,6 +16,8 @@ def test_demo_compiled_blockwise():
                       "--recipes", "blockwise"]) == 0
 
 
-def test_demo_rejects_unknown_recipes():
-    with pytest.raises(SystemExit):
-        demo.main(["--recipes", "fp4"])
+def test_demo_rejects_unknown_recipes(capsys):
+    with pytest.raises(SystemExit) as info:
+        demo.main(["--recipes", "blockwise,fp4"])
+    assert info.value.code == 2
+    assert "--recipes: unknown ['fp4']" in capsys.readouterr().err

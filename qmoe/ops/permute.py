@@ -208,11 +208,14 @@ def moe_permute(
             (never written, and zero in unpermute and the backward) and rows no route
             fills are zero, so a fixed-size buffer is always safe. A 0-d integer tensor
             (TransformerEngine's callers pass ``tokens_per_expert.sum()``) is read with
-            ``.item()``: a host sync for a CUDA tensor, a graph break under torch.compile.
+            ``.item()``: a host sync for a CUDA tensor, and a graph break under
+            torch.compile unless ``capture_scalar_outputs`` makes it a data-dependent
+            size (then it must be ``>= 0``).
         max_token_num: accepted for TransformerEngine compatibility; qmoe keeps no
             workspace, so it is unused.
         map_type: ``"mask"`` or ``"index"``.
-        num_experts: index maps only: ids ``>= num_experts`` raise. Ids below ``-1``
+        num_experts: with an index map, ids ``>= num_experts`` raise; with a mask map it
+            must equal the mask's column count (E) when given. Ids below ``-1``
             and ids ``>= 2**31 - 1`` always raise (a ``ValueError`` on the syncing path and
             on CPU; an async device assert on the sync-free CUDA path).
         quantize: a recipe (``qmoe.Blockwise()``, ``qmoe.MXFP8()``, ``qmoe.PerTensor()``)

@@ -134,16 +134,17 @@ def test_cpu_paths_refuse_a_corrupted_map(where, value):
     bad = rid.clone()
     bad[0, 0 if where == "row" else -1] = value
     w = torch.ones(6, 3)
-    match = "row_id_map"
-    for use_triton in (None, False):  # the op (C++ when built), then the torch path
-        calls = [lambda: B.unpermute_rows(out, bad, w, use_triton=False),
-                 lambda: B.permute_rows(x, bad, out.shape[0], use_triton=False)]
-        if use_triton is None:
-            calls = [lambda: qmoe.moe_unpermute(out, bad, w), lambda: qmoe.moe_unpermute(out, bad),
-                     lambda: torch.ops.qmoe.permute(x, bad, None, out.shape[0])]
-        for call in calls:
-            with pytest.raises(ValueError, match=match):
-                call()
+    calls = [  # the ops (C++ when built, else the torch path), then the torch path itself
+        lambda: torch.ops.qmoe.unpermute(out, bad, w),
+        lambda: torch.ops.qmoe.unpermute(out, bad, None),
+        lambda: torch.ops.qmoe.permute(x, bad, None, out.shape[0]),
+        lambda: B.unpermute_rows(out, bad, w, use_triton=False),
+        lambda: B.permute_rows(x, bad, out.shape[0], use_triton=False),
+        lambda: qmoe.moe_unpermute(out, bad, w),  # the public function (its own checks first)
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match="row_id_map (row|counts|names|points)"):
+            call()
 
 
 def test_public_unpermute_takes_a_noncontiguous_map(device):
