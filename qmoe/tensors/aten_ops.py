@@ -113,6 +113,8 @@ def _slice(func, types, args, kwargs):
     h, bs = x.shape[-1], x.block_size
     lo, hi, _ = slice(start, end, step).indices(h)
     hi = max(hi, lo)
+    if hi == lo:  # an empty slice cuts no block
+        return x._rewrap(x.qdata[..., lo:lo], x.raw_scale[..., :0])
     if step != 1 or lo % bs or (hi % bs and hi != h):
         raise ValueError(
             f"slice of H [{start}:{end}:{step}] on a {type(x).__name__} (H={h}) cuts "
@@ -134,6 +136,52 @@ def _select(func, types, args, kwargs):
     if d == x.dim() - 1:
         raise ValueError(f"select along the last dim (H) of a {type(x).__name__} is not supported")
     return x.map_rows(lambda t: func(t, d, index))
+
+
+@implements(aten.unsqueeze.default)
+def _unsqueeze(func, types, args, kwargs):
+    x, dim = args
+    d = _norm_dim(dim, x.dim() + 1, "unsqueeze")
+    if d == x.dim():
+        raise ValueError(f"unsqueeze after the last dim (H) of a {type(x).__name__} would move "
+                         "H off the last dim; unsqueeze a leading dim")
+    return x.map_rows(lambda t: func(t, d))
+
+
+@implements([aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims])
+def _squeeze(func, types, args, kwargs):
+    x = args[0]
+    dims = args[1] if len(args) > 1 else kwargs.get("dim", tuple(range(x.dim())))
+    dims = {_norm_dim(d, x.dim(), "squeeze") for d in
+            (dims if isinstance(dims, (list, tuple)) else [dims])}
+    if x.dim() - 1 in dims and x.shape[-1] == 1:
+        if func is not aten.squeeze.default:
+            raise ValueError(f"squeeze of the last dim (H = 1) of a {type(x).__name__} would "
+                             "leave it without H; squeeze leading dims only")
+        dims.discard(x.dim() - 1)  # squeeze(): every size-1 dim but H
+    lead = tuple(d for d in sorted(dims) if d < x.dim() - 1 and x.shape[d] == 1)
+    return x.map_rows(lambda t: t.squeeze(lead))
+
+
+@implements(aten.unbind.int)
+def _unbind(func, types, args, kwargs):
+    x = args[0]
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    if x.dim() == 1:
+        raise ValueError(f"unbind of a 1-d {type(x).__name__} would leave scalars; quantized "
+                         "tensors keep at least the H dim")
+    d = _leading_dim(x, dim, "unbind")
+    return [x.map_rows(lambda t, i=i: t.select(d, i)) for i in range(x.shape[d])]
+
+
+@implements(aten.expand.default)
+def _expand(func, types, args, kwargs):
+    x, size = args[0], list(args[1])
+    if size[-1] not in (-1, x.shape[-1]):
+        raise ValueError(f"expand of a {type(x).__name__} may not change the last dim (H="
+                         f"{x.shape[-1]}), got {tuple(size)}")
+    return x.map_rows(lambda t: t.expand(size),
+                      scale_fn=lambda s: s.expand(*size[:-1], s.shape[-1]))
 
 
 @implements([aten.split.Tensor, aten.split_with_sizes.default])

@@ -244,3 +244,39 @@ def test_cat_with_a_plain_tensor_first():
     q = qmoe.quantize(torch.randn(2, 64), qmoe.Blockwise(32))
     with pytest.raises(TypeError, match="one recipe"):
         torch.cat([torch.randn(2, 64), q])
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_leading_dim_view_ops(name):
+    """unsqueeze / squeeze / unbind (and iteration) / expand of leading dims keep the type
+    (no dequantizing fallback: strict dispatch), moving bits and scales as on plain
+    tensors; an empty slice of H is fine on every layout."""
+    q = _q(name, 4, 256)
+    with qmoe.strict_dispatch():
+        _check_rows(q[None], q, lambda t: t[None])
+        _check_rows(q[:, None], q, lambda t: t[:, None])
+        _check_rows(q.unsqueeze(-2), q, lambda t: t.unsqueeze(-2))
+        _check_rows(q[None].squeeze(0), q, lambda t: t)
+        _check_rows(q.view(1, 4, 1, 256).squeeze(), q, lambda t: t)
+        rows = q.unbind(0)
+        assert len(rows) == 4 and len(list(q)) == 4
+        for i, r in enumerate(rows):
+            _check_rows(r, q, lambda t, i=i: t[i])
+        e = q[None].expand(3, 4, 256)
+        _check_rows(e, q, lambda t: t[None].expand(3, 4, t.shape[-1]))
+        assert torch.equal(e.dequantize()[2], q.dequantize())
+        empty = q[:, 256:]
+        assert empty.shape == (4, 0) and empty.dequantize().shape == (4, 0)
+
+
+@pytest.mark.parametrize("name", ["blockwise-e4m3", "mx-e4m3"])
+def test_leading_dim_view_ops_refuse_h(name):
+    q = _q(name, 4, 256)
+    with pytest.raises(ValueError, match="unsqueeze after the last dim"):
+        q.unsqueeze(-1)
+    with pytest.raises(ValueError, match="may not change the last dim"):
+        q.expand(4, 512)
+    h1 = qmoe.quantize(torch.randn(4, 1), LAYOUTS[name])
+    with pytest.raises(ValueError, match="without H"):
+        h1.squeeze(-1)
+    assert h1[None].squeeze().shape == (4, 1)  # squeeze() keeps H
