@@ -194,6 +194,10 @@ def combine(expert_output: torch.Tensor, handle: DispatchHandle) -> torch.Tensor
     """Bring the expert outputs home and merge them: ``[T, H]``, weighted by the router
     probs given to ``dispatch`` (fp32 accumulation). No host sync."""
     h = handle
+    rows = sum(h.recv_splits)  # the rows dispatch returned on this rank
+    if expert_output.dim() != 2 or expert_output.shape[0] != rows:
+        raise ValueError(f"combine: expert_output must be [{rows}, H] (one row per row "
+                         f"dispatch returned), got {tuple(expert_output.shape)}")
     back = moe_sort_chunks_by_index(expert_output, h.grouped_sizes, h.back_index)
     home = _AllToAll.apply(back, h.send_splits, h.recv_splits, h.group)
     return moe_unpermute(home, h.row_id_map, h.probs)

@@ -199,6 +199,11 @@ def _worker(rank, world, port, seed, cases, backend="gloo"):
         assert torch.equal(expert_in.raw_scale.cpu(), s_max)
         assert torch.equal(expert_in.qdata.cpu().view(torch.uint8),
                            torch.cat(want).view(torch.uint8))
+        try:  # a wrong number of expert rows is refused by combine itself (local, no comms)
+            combine(expert_in.dequantize()[1:], h)
+            raise AssertionError("combine took expert_output with a row missing")
+        except ValueError as err:
+            assert "combine: expert_output must be" in str(err), err
         y = combine(expert_in.dequantize(), h)
         yr = qmoe.moe_unpermute(*_plain_roundtrip(q, mask), probs)
         torch.testing.assert_close(y.float(), yr.float(), rtol=0.13, atol=0.05)  # one fp8 step
