@@ -167,10 +167,10 @@ def _squeeze(func, types, args, kwargs):
 def _unbind(func, types, args, kwargs):
     x = args[0]
     dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
-    if x.dim() == 1:
-        raise ValueError(f"unbind of a 1-d {type(x).__name__} would leave scalars; quantized "
-                         "tensors keep at least the H dim")
-    d = _leading_dim(x, dim, "unbind")
+    d = _norm_dim(dim, x.dim(), "unbind")
+    if d == x.dim() - 1:
+        raise ValueError(f"unbind along the last dim (H) of a {type(x).__name__} would leave "
+                         "no H; unbind a leading dim")
     return [x.map_rows(lambda t, i=i: t.select(d, i)) for i in range(x.shape[d])]
 
 
@@ -284,11 +284,6 @@ def _empty_like(func, types, args, kwargs):
     )
 
 
-def _partial(t: torch.Tensor) -> bool:
-    """Whether ``t`` covers less than its whole storage (a view of part of a tensor)."""
-    return t.storage_offset() != 0 or t.untyped_storage().nbytes() != t.numel() * t.element_size()
-
-
 @implements(aten.copy_.default)
 def _copy_(func, types, args, kwargs):
     dst, src = args[0], args[1]
@@ -302,18 +297,6 @@ def _copy_(func, types, args, kwargs):
         )
     if dst.shape != src.shape:
         raise ValueError(f"copy_: shapes differ: {tuple(dst.shape)} vs {tuple(src.shape)}")
-    if dst.block_size is None and _partial(dst.qdata):
-        # A view (q[0], q[1:], a column slice) shares its per-tensor scale with the rest of
-        # the tensor: keep that scale and write src's values requantized to it (its bits
-        # as they are where the two scales are equal).
-        from qmoe.tensors.quantize import _saturate_cast
-
-        same = (src.raw_scale == dst.raw_scale).reshape(())
-        requant = _saturate_cast(src.qdata.float() * (src.raw_scale / dst.raw_scale),
-                                 dst.fp8_dtype)
-        dst.qdata.view(torch.uint8).copy_(torch.where(
-            same, src.qdata.view(torch.uint8), requant.view(torch.uint8)))
-        return dst
     dst.qdata.copy_(src.qdata)
     dst.raw_scale.copy_(src.raw_scale)
     return dst

@@ -125,6 +125,23 @@ def passthrough_ops() -> tuple[Any, ...]:
     return tuple(sorted(_PASSTHROUGH, key=str))
 
 
+def _writes_quantized(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether ``func`` writes into a quantized argument (in place, or as ``out=``): its
+    schema marks the argument written (plain destinations of a quantized source are fine:
+    the fallback writes into them for real)."""
+    schema = func._schema
+    if not schema.is_mutable:
+        return False
+    for i, a in enumerate(schema.arguments):
+        if a.alias_info is None or not a.alias_info.is_write:
+            continue
+        v = args[i] if i < len(args) and not a.kwarg_only else kwargs.get(a.name)
+        if any(isinstance(t, QuantizedTensor) for t in (v if isinstance(v, (list, tuple))
+                                                         else [v])):
+            return True
+    return False
+
+
 def rebuild_quantized(cls: type, bits: torch.Tensor, fp8_dtype: torch.dtype,
                       raw_scale: torch.Tensor, attrs: tuple, requires_grad: bool):
     """The unpickler of ``QuantizedTensor.__reduce_ex__`` (its arguments checked: it is on
@@ -132,9 +149,10 @@ def rebuild_quantized(cls: type, bits: torch.Tensor, fp8_dtype: torch.dtype,
     if not (isinstance(cls, type) and issubclass(cls, QuantizedTensor)):
         raise TypeError(f"rebuild_quantized: {cls!r} is not a qmoe quantized tensor type")
     if fp8_dtype not in FP8_DTYPES or not isinstance(bits, torch.Tensor) or (
-            bits.dtype != torch.uint8):
-        raise TypeError("rebuild_quantized: expected uint8 bits and an fp8 dtype, got "
-                        f"{getattr(bits, 'dtype', type(bits))} and {fp8_dtype}")
+            bits.dtype != torch.uint8) or not isinstance(raw_scale, torch.Tensor):
+        raise TypeError("rebuild_quantized: expected uint8 bits, an fp8 dtype and a scale "
+                        f"tensor, got {getattr(bits, 'dtype', type(bits))}, {fp8_dtype} and "
+                        f"{type(raw_scale).__name__}")
     return cls(bits.view(fp8_dtype), raw_scale, *attrs, requires_grad=bool(requires_grad))
 
 
@@ -333,9 +351,6 @@ class QuantizedTensor(torch.Tensor):
         uint8 (``torch.save`` keeps views and shared storage, as for any tensor).
         ``torch.load(weights_only=True)`` accepts ``rebuild_quantized``, and still loads
         files written by torch's own reduction."""
-        if self.requires_grad and not self.is_leaf:
-            raise RuntimeError("Can't pickle a quantized tensor that requires grad and is not "
-                               "a leaf; detach() it first (as torch refuses for its tensors)")
         fields = set(self.tensor_data_names) | set(self.tensor_attribute_names)
         state = {k: v for k, v in self.__dict__.items() if k not in fields}
         args = (type(self), self.qdata.view(torch.uint8), self.qdata.dtype, self.raw_scale,
@@ -389,12 +404,12 @@ class QuantizedTensor(torch.Tensor):
         impl = _PASSTHROUGH.get(func)
         if impl is not None:
             return impl(func, args, kwargs)
-        if func._schema.is_mutable:
+        if _writes_quantized(func, args, kwargs):
             raise QuantizedDispatchError(
-                f"{func} writes into its arguments and has no quantized implementation for "
-                f"{cls.__name__}: the dequantizing fallback would modify a temporary copy "
-                "and leave the quantized tensor unchanged; dequantize() first, or write "
-                "quantized rows with copy_ / index_copy_ of a tensor of the same recipe"
+                f"{func} writes into a {cls.__name__} and has no quantized implementation: "
+                "the dequantizing fallback would modify a temporary copy and leave the "
+                "quantized tensor unchanged; dequantize() first, or copy_ a tensor of the "
+                "same recipe into it"
             )
         if _STRICT.get():
             raise QuantizedDispatchError(
