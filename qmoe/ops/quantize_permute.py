@@ -296,5 +296,8 @@ def quantize_and_permute(fn: str, x, probs, routing_map, is_index: bool, align_s
         if scale.device != x.device:
             raise ValueError(f"{fn}: quantize_scale is on {scale.device} but inp is on "
                              f"{x.device}")
+        from qmoe.tensors.quantize import check_given_scale
+
+        check_given_scale(fn, "quantize_scale", scale)
     return _QuantizePermute.apply(x, probs, routing_map, is_index, align_size, n, recipe,
                                   scale)

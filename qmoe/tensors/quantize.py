@@ -342,7 +342,21 @@ def quantize(
             raise ValueError("quantize: scale must be a one-element tensor")
         if scale.device != x.device:
             raise ValueError(f"quantize: scale is on {scale.device} but x is on {x.device}")
+        check_given_scale("quantize", "scale", scale)
     return _Quantize.apply(x, recipe, scale)
+
+
+def check_given_scale(fn: str, name: str, scale: torch.Tensor) -> None:
+    """A caller-given per-tensor scale: a float tensor whose value is positive and finite.
+    The value is checked where that is free (a CPU tensor in eager mode); on CUDA it is
+    not (a device check would add launches to every call)."""
+    if not scale.is_floating_point():
+        raise TypeError(f"{fn}: {name} must be a float tensor, got {scale.dtype}")
+    if scale.device.type == "cpu" and not torch.compiler.is_compiling():
+        v = float(scale.reshape(()))
+        if not (v > 0 and v != float("inf")):
+            raise ValueError(f"{fn}: {name} must be positive and finite, got {v}; a zero, "
+                             "negative or non-finite scale would quantize to zeros or NaN")
 
 
 def dequantize(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:

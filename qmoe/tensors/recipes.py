@@ -16,6 +16,11 @@ def fp8_max(fp8_dtype: torch.dtype) -> float:
     return float(torch.finfo(fp8_dtype).max)
 
 
+def _check_pow2(recipe: str, flag) -> None:
+    if not isinstance(flag, bool):
+        raise TypeError(f"{recipe}: power_of_two_scale must be True or False, got {flag!r}")
+
+
 def _check_fp8(recipe: str, fp8_dtype: torch.dtype) -> None:
     if fp8_dtype not in _FP8:
         raise TypeError(
@@ -37,6 +42,7 @@ class PerTensor:
 
     def __post_init__(self) -> None:
         _check_fp8("PerTensor", self.fp8_dtype)
+        _check_pow2("PerTensor", self.power_of_two_scale)
 
 
 @dataclass(frozen=True)
@@ -52,6 +58,7 @@ class Blockwise:
 
     def __post_init__(self) -> None:
         _check_fp8("Blockwise", self.fp8_dtype)
+        _check_pow2("Blockwise", self.power_of_two_scale)
         bs = self.block_size
         if not isinstance(bs, int) or bs < 16 or bs > 1024 or bs & (bs - 1):
             raise ValueError(

@@ -176,6 +176,18 @@ def test_bad_input():
         qmoe.Blockwise(block_size=100)
     with pytest.raises(ValueError, match="scale_rounding"):
         qmoe.MXFP8(scale_rounding="ceil")
+    for recipe in (qmoe.PerTensor, qmoe.Blockwise):
+        with pytest.raises(TypeError, match="power_of_two_scale must be True or False"):
+            recipe(power_of_two_scale="no")
+    x = torch.ones(4, 4)
+    for bad in (0.0, -1.0, float("inf"), float("nan")):  # would quantize to zeros or NaN
+        with pytest.raises(ValueError, match="scale must be positive and finite"):
+            qmoe.quantize(x, qmoe.PerTensor(), scale=torch.tensor(bad))
+        with pytest.raises(ValueError, match="quantize_scale must be positive and finite"):
+            qmoe.moe_permute(x, torch.ones(4, 2, dtype=torch.bool), 8,
+                             quantize=qmoe.PerTensor(), quantize_scale=torch.tensor(bad))
+    with pytest.raises(TypeError, match="scale must be a float tensor"):
+        qmoe.quantize(x, qmoe.PerTensor(), scale=torch.tensor(2))
 
 
 _DIRECT_BAD = [
