@@ -144,9 +144,10 @@ def check_num_out_tokens(fn: str, num_out_tokens) -> int | None:
         if is_compiling():  # (a SymInt may not look like one to isinstance under Dynamo)
             # a data-dependent size: no branch on -1 (a guard fullgraph cannot take); the
             # count of routed rows it stands for is >= 0, checked when the graph runs
+            # (a message without closure variables: torch 2.11's Dynamo refuses those)
             torch._check(num_out_tokens >= 0, lambda: (
-                f"{fn}: num_out_tokens as a tensor must be >= 0 under torch.compile (a "
-                "row count such as tokens_per_expert.sum()); pass None for all routed rows"))
+                "qmoe: num_out_tokens as a tensor must be >= 0 under torch.compile (a row "
+                "count such as tokens_per_expert.sum()); pass None for all routed rows"))
             return num_out_tokens
     num_out_tokens = as_int(fn, "num_out_tokens (or None)", num_out_tokens)
     if num_out_tokens == -1:
