@@ -291,13 +291,8 @@ def quantize_and_permute(fn: str, x, probs, routing_map, is_index: bool, align_s
     if scale is not None:
         if not isinstance(recipe, PerTensor):
             raise ValueError(f"{fn}: quantize_scale is only accepted with the PerTensor recipe")
-        if not isinstance(scale, torch.Tensor) or scale.numel() != 1:
-            raise ValueError(f"{fn}: quantize_scale must be a one-element tensor")
-        if scale.device != x.device:
-            raise ValueError(f"{fn}: quantize_scale is on {scale.device} but inp is on "
-                             f"{x.device}")
         from qmoe.tensors.quantize import check_given_scale
 
-        check_given_scale(fn, "quantize_scale", scale)
+        check_given_scale(fn, "quantize_scale", scale, "inp", x)
     return _QuantizePermute.apply(x, probs, routing_map, is_index, align_size, n, recipe,
                                   scale)

@@ -338,18 +338,19 @@ def quantize(
     if scale is not None:
         if not isinstance(recipe, PerTensor):
             raise ValueError("quantize: scale= is only accepted with the PerTensor recipe")
-        if not isinstance(scale, torch.Tensor) or scale.numel() != 1:
-            raise ValueError("quantize: scale must be a one-element tensor")
-        if scale.device != x.device:
-            raise ValueError(f"quantize: scale is on {scale.device} but x is on {x.device}")
-        check_given_scale("quantize", "scale", scale)
+        check_given_scale("quantize", "scale", scale, "x", x)
     return _Quantize.apply(x, recipe, scale)
 
 
-def check_given_scale(fn: str, name: str, scale: torch.Tensor) -> None:
-    """A caller-given per-tensor scale: a float tensor whose value is positive and finite.
-    The value is checked where that is free (a CPU tensor in eager mode); on CUDA it is
-    not (a device check would add launches to every call)."""
+def check_given_scale(fn: str, name: str, scale, x_name: str, x: torch.Tensor) -> None:
+    """A caller-given per-tensor scale (``quantize``'s ``scale``, the permutes'
+    ``quantize_scale``): a one-element float tensor on ``x``'s device whose value is
+    positive and finite. The value is checked where that is free (a CPU tensor in eager
+    mode); on CUDA it is not (a device check would add launches to every call)."""
+    if not isinstance(scale, torch.Tensor) or scale.numel() != 1:
+        raise ValueError(f"{fn}: {name} must be a one-element tensor")
+    if scale.device != x.device:
+        raise ValueError(f"{fn}: {name} is on {scale.device} but {x_name} is on {x.device}")
     if not scale.is_floating_point():
         raise TypeError(f"{fn}: {name} must be a float tensor, got {scale.dtype}")
     if scale.device.type == "cpu" and not torch.compiler.is_compiling():
