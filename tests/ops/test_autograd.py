@@ -9,13 +9,23 @@ from tests.ops.helpers import routing
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def _routes(rid):
+    """(row, token, column) of every kept route in a map."""
+    s = (rid.shape[1] - 1) // 2
+    rows, toks, cols = [], [], []
+    for tok in range(rid.shape[0]):
+        for j in range(int(rid[tok, 2 * s])):
+            rows.append(int(rid[tok, j]))
+            toks.append(tok)
+            cols.append(int(rid[tok, s + j]))
+    return tuple(torch.tensor(v, dtype=torch.long) for v in (rows, toks, cols))
+
+
 def _perm_matrix(rid: torch.Tensor, n: int, t: int) -> torch.Tensor:
     """Dense [N, T] 0/1 matrix of the permutation the map describes (from the map)."""
-    s = (rid.shape[1] - 1) // 2
     m = torch.zeros(n, t, dtype=torch.float64)
-    for tok in range(t):
-        for j in range(int(rid[tok, 2 * s])):
-            m[int(rid[tok, j]), tok] = 1.0
+    rows, toks, _ = _routes(rid)
+    m[rows, toks] = 1.0
     return m
 
 
@@ -33,11 +43,9 @@ def _check_against_dense(rid, n, x, probs, merge, g):
     xd = x.detach().cpu().double().requires_grad_()
     pd = probs.detach().cpu().double().requires_grad_()
     md = merge.detach().cpu().double().requires_grad_()
-    s = (rid.shape[1] - 1) // 2
     col_of_row = torch.full((n,), 0, dtype=torch.long)
-    for tok in range(t):
-        for j in range(int(rid[tok, 2 * s])):
-            col_of_row[int(rid[tok, j])] = int(rid[tok, s + j])
+    rows, _, cols = _routes(rid.cpu())
+    col_of_row[rows] = cols
     rows_tok = pm.argmax(1)
     ppd = (pm @ torch.ones(t, dtype=torch.float64)) * pd[rows_tok, col_of_row]
     w_of_row = pm * md[rows_tok, col_of_row][:, None]
@@ -142,18 +150,6 @@ def test_sort_chunks_double_backward():
     dg, dgq = torch.autograd.grad(((gx * u).sum(), (gp * v).sum()), (g, gq))
     want, want_p = qmoe.moe_sort_chunks_by_index_with_probs(u, v, sizes, order)
     assert torch.equal(dg, want) and torch.equal(dgq, want_p)
-
-
-def _routes(rid):
-    """(row, token, column) of every kept route in a map."""
-    s = (rid.shape[1] - 1) // 2
-    rows, toks, cols = [], [], []
-    for tok in range(rid.shape[0]):
-        for j in range(int(rid[tok, 2 * s])):
-            rows.append(int(rid[tok, j]))
-            toks.append(tok)
-            cols.append(int(rid[tok, s + j]))
-    return torch.tensor(rows), torch.tensor(toks), torch.tensor(cols)
 
 
 @pytest.mark.parametrize("map_type", ["mask", "index"])
