@@ -31,7 +31,7 @@ export QMOE_GPU_CHECK=1
 eval "set -- ${QMOE_TESTS:-tests} ${QMOE_PYTEST_ARGS:-}"
 run_pytest() {  # run_pytest LOG ARGS...: one pytest under the time limit; prints its rc
   local log=$1; shift
-  timeout --signal=INT --kill-after=30 "${QMOE_TEST_SECONDS:-0}" python3 -m pytest "$@" -q -p no:cacheprovider -rfE --tb=short --durations=25 ${K:+-k "$K"} > "$log" 2>&1
+  timeout --signal=INT --kill-after=30 "${QMOE_TEST_SECONDS:-0}" python3 -m pytest "$@" -q -p no:cacheprovider -rfE --tb=short --durations=25 -o faulthandler_timeout=180 ${K:+-k "$K"} > "$log" 2>&1
   local rc=$?
   [ "$rc" = 124 ] && echo "tests stopped after QMOE_TEST_SECONDS=${QMOE_TEST_SECONDS}" >> "$log"
   echo "pytest rc=$rc" >> "$log"

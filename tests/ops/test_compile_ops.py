@@ -1,6 +1,10 @@
 """torch.compile(fullgraph=True): permute -> expert work -> unpermute, forward and backward,
 both map types and the chunk sort; dynamic=True over T compiles once."""
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -136,6 +140,17 @@ def test_tensor_num_out_tokens_with_captured_scalars():
         assert torch.equal(a, b)
 
 
+_BAD_IDS_CHILD = """
+import sys, torch, qmoe
+ids = torch.tensor([[0, 1], [2, 6]], device="cuda")
+x = torch.randn(2, 128, device="cuda")
+f = lambda x: qmoe.moe_permute(x, ids, 4, map_type="index", num_experts=4)[0]
+torch.compile(f, fullgraph=sys.argv[1] == "True")(x)
+torch.cuda.synchronize()
+print("no error")
+"""
+
+
 @pytest.mark.parametrize("fullgraph", [True, False])
 def test_bad_input_under_compile(fullgraph):
     """Bad input under torch.compile raises with qmoe's message: the checks in the public
@@ -156,6 +171,13 @@ def test_bad_input_under_compile(fullgraph):
         (lambda x: qmoe.moe_permute(x, ids + 3, 16, map_type="index", num_experts=e)[0],
          "num_experts=4", False),
     ]
+    if DEV == "cuda":  # the data check is a device assert, which ends the CUDA context
+        _, msg, _ = cases.pop()
+        r = subprocess.run([sys.executable, "-c", _BAD_IDS_CHILD, str(fullgraph)],
+                           capture_output=True, text=True, timeout=300,
+                           cwd=Path(__file__).parents[2])
+        assert r.returncode != 0 and "no error" not in r.stdout, r.stderr[-2000:]
+        assert msg in r.stdout + r.stderr, r.stderr[-4000:]
     for fn, msg, python_check in cases:
         torch._dynamo.reset()
         with pytest.raises(Exception) as info:
