@@ -116,8 +116,16 @@ def register_passthrough(op: Any, impl: OpImpl | None = None):
 
 
 def unregister_passthrough(op: Any) -> None:
-    """Remove ``op`` from the passthrough registry (no error if absent)."""
-    _PASSTHROUGH.pop(_op_key(op), None)
+    """Remove ``op`` from the passthrough registry (no error if absent). qmoe's own ops
+    (the ``qmoe::`` namespace) stay: removing one would silently turn every later call
+    with a quantized input, in any thread, into a dequantizing fallback."""
+    key = _op_key(op)
+    if key.namespace == "qmoe":
+        raise ValueError(
+            f"unregister_passthrough: {key} is one of qmoe's own ops and stays passthrough; "
+            "to dequantize its input, call .dequantize() on it before the op"
+        )
+    _PASSTHROUGH.pop(key, None)
 
 
 def passthrough_ops() -> tuple[Any, ...]:

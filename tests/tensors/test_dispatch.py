@@ -62,6 +62,9 @@ def test_registry_errors(registered):
     qmoe.register_passthrough(registered, _gather_passthrough)  # same impl: no error
     with pytest.raises(TypeError, match="OpOverload"):
         qmoe.register_passthrough(lambda x: x, _gather_passthrough)
+    with pytest.raises(ValueError, match="one of qmoe's own ops"):
+        qmoe.unregister_passthrough(torch.ops.qmoe.permute)
+    assert torch.ops.qmoe.permute.default in qmoe.passthrough_ops()
     # A packet registers its default overload.
     qmoe.unregister_passthrough(torch.ops.qmoe_test.gather_rows)
     assert registered not in qmoe.passthrough_ops()
