@@ -13,6 +13,9 @@ set -uo pipefail
 OUT=${OUT:-/tmp/qmoe_gpu_out}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# Inductor compiles in this process, not in a pool of one worker per core per pytest job:
+# eight jobs with their pools were all SIGKILLed at once (session 15, out of memory)
+export TORCHINDUCTOR_COMPILE_THREADS=1
 unset TRITON_INTERPRET
 {
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
