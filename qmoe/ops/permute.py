@@ -144,13 +144,6 @@ def _out_rows(fn, inp, routing_map, map_type, num_out_tokens, num_experts, align
     return n, num_experts
 
 
-#: Whether CUDA index maps with ``num_experts`` given take ``qmoe::permute_index`` (the map
-#: built in the scatter launch, as for masks) instead of the sorting ``make_row_id_map``
-#: then the scatter. Off until timed on the H200 (``sweep_permute_mask.py --index``): the
-#: op and its kernels are tested (interpreter, bit-exact, opcheck, autograd, FP8).
-INDEX_MAP_IN_SCATTER = False
-
-
 def _map_in_scatter(inp, map_type: str) -> bool:
     """Whether the mask map is built inside the scatter launch (``qmoe::permute_mask``,
     CUDA) rather than by ``make_row_id_map`` before it."""
@@ -173,8 +166,9 @@ def _permute(fn, inp, probs, routing_map, map_type, num_out_tokens, num_experts,
         out, pp, _, rid = torch.ops.qmoe.permute_mask(inp, routing_map, probs, None, n,
                                                       align_size)
         return out, pp, rid
-    if (INDEX_MAP_IN_SCATTER and map_type == "index" and inp.is_cuda
-            and num_experts is not None):
+    if map_type == "index" and inp.is_cuda and num_experts is not None and align_size == 1:
+        # the map built in the scatter launch (qmoe::permute_index keeps the sorting path
+        # where that is faster: small maps, E > 256)
         out, pp, _, rid = torch.ops.qmoe.permute_index(inp, routing_map, probs, None, n,
                                                        num_experts)
         return out, pp, rid
@@ -214,8 +208,10 @@ def moe_permute(
         max_token_num: accepted for TransformerEngine compatibility; qmoe keeps no
             workspace, so it is unused.
         map_type: ``"mask"`` or ``"index"``.
-        num_experts: with an index map, ids ``>= num_experts`` raise; with a mask map it
-            must equal the mask's column count (E) when given. Ids below ``-1``
+        num_experts: with an index map, ids ``>= num_experts`` raise, and on CUDA the map
+            is built in the scatter launch (``qmoe::permute_index``; without it, a
+            sorting map first); with a mask map it must equal the mask's column count (E)
+            when given. Ids below ``-1``
             and ids ``>= 2**31 - 1`` always raise (a ``ValueError`` on the syncing path and
             on CPU; an async device assert on the sync-free CUDA path).
         quantize: a recipe (``qmoe.Blockwise()``, ``qmoe.MXFP8()``, ``qmoe.PerTensor()``)

@@ -1,6 +1,7 @@
 """``qmoe::permute_index``: the index-map permute that builds its row_id_map in the
-scatter launch (built and tested; the public ops take it once it is timed on the GPU,
-``permute.INDEX_MAP_IN_SCATTER``).
+scatter launch. The public ops take it for CUDA index maps when ``num_experts`` is given
+(the per-expert counts need E); the op itself keeps the sorting path where that is faster
+(``fused_index_wins``).
 
 Glossary: T tokens, K slots per token, E experts, H hidden, N output rows, NS side-row
 columns.
@@ -11,9 +12,8 @@ does what ``permute_mask_triton`` does for masks: per-block route counts, their 
 one kernel (``_kernels/permute_index.py``) whose token programs build their own map rows
 and move their data rows. It needs E (``num_experts``): the counts are per expert. Its map
 and rows equal ``make_row_id_map(ids, N, True, 1)`` then ``permute``, bit for bit (tests).
-Not yet timed on the GPU, so the ops keep the sorting path; ``benchmarks/
-sweep_permute_mask.py --index`` times both. Off CUDA the op runs ``make_row_id_map`` then
-``permute``.
+``benchmarks/sweep_permute_mask.py --index`` times both. Off CUDA the op runs
+``make_row_id_map`` then ``permute``.
 """
 
 from __future__ import annotations
@@ -32,7 +32,13 @@ from qmoe.ops.permute_mask import (
     map_then_permute,
     no_routes,
 )
-from qmoe.ops.row_id_map import index_block_counts, map_tiling, pdl_default, pdl_options
+from qmoe.ops.row_id_map import (
+    index_block_counts,
+    map_tiling,
+    pdl_default,
+    pdl_options,
+    small_index_map,
+)
 
 
 def permute_index_triton(
@@ -85,6 +91,21 @@ def permute_index_triton(
     return out, pp, so, rid
 
 
+#: Largest E at which the fused kernel beats the sorting map then the scatter. H100, torch
+#: 2.11, Triton 3.6, bf16 rows, % of copy, sorting -> fused (``sweep_permute_mask.py
+#: --index``, docs/benchmarks.md session 15): E = 8 (mixtral) 31.9 -> 85.5, E = 128 (qwen3
+#: 66.3 -> 71.8, gptoss 34.7 -> 66.6), E = 256 (dsv3) 55.2 -> 83.4, but E = 512
+#: (qwen3next) 54.9 -> 41.9 (not profiled; the per-block count rows grow with E).
+FUSED_INDEX_MAX_EXPERTS = 256
+
+
+def fused_index_wins(t: int, k: int, num_experts: int) -> bool:
+    """Whether a CUDA ``[T, K]`` index map of ``num_experts`` experts takes the fused
+    kernel: not for maps small enough for the one-launch map kernel (two launches in all,
+    untimed against the fused three), nor above ``FUSED_INDEX_MAX_EXPERTS``."""
+    return num_experts <= FUSED_INDEX_MAX_EXPERTS and not small_index_map(t, k)
+
+
 @define(
     "permute_index(Tensor inp, Tensor routing_map, Tensor? probs, Tensor? side, "
     "SymInt num_out_tokens, int num_experts) -> (Tensor, Tensor, Tensor, Tensor)"
@@ -93,8 +114,9 @@ def _permute_index(inp, routing_map, probs, side, num_out_tokens, num_experts):
     """``(out [N, H], permuted_probs [N] or empty, side_out [N, NS] or empty, row_id_map
     [T, 2K+1] int32)``: ``inp [T, H]`` grouped by the index map ``[T, K]`` (ids in
     ``[-1, num_experts)``), with ``probs [T, K]`` and side rows ``[T, NS]`` (block scales
-    of quantized rows) moved alike. No host sync."""
-    if inp.is_cuda:
+    of quantized rows) moved alike. No host sync. On CUDA the fused kernel where it wins
+    (``fused_index_wins``), else the sorting map then the scatter, as on CPU."""
+    if inp.is_cuda and fused_index_wins(*routing_map.shape, num_experts):
         return permute_index_triton(inp, routing_map, num_out_tokens, num_experts, probs, side)
     if routing_map.numel():  # the kernel's assert, as a ValueError on CPU tensors
         C.check_values("qmoe::permute_index",

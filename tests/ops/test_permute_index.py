@@ -1,5 +1,5 @@
 """``qmoe::permute_index``: the index-map permute that builds its map rows in the scatter
-launch (not yet taken by the public ops: ``permute.INDEX_MAP_IN_SCATTER``).
+launch (the public ops' path for CUDA index maps with ``num_experts``).
 
 Its kernels (CUDA, or CPU under TRITON_INTERPRET=1) against ``make_row_id_map(ids, N,
 True, 1)`` (the sorting path) then the torch permute, bit for bit, into poisoned outputs;
@@ -173,3 +173,34 @@ def test_op_quantized_inp_passes_intact(name):
     assert torch.equal(pp, pp_w) and torch.equal(rid, rid_w)
     with pytest.raises(TypeError, match="qmoe::permute_index: side rows"):
         ops.permute_index(q, ids, probs, torch.zeros(t, 2), n, e)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="the public ops take qmoe::permute_index on CUDA only")
+@pytest.mark.parametrize("e", [8, 256, 512])  # fused, fused, the op's sorting path
+@pytest.mark.parametrize("name", [None, "blockwise-e4m3", "mx-e5m2"])
+def test_public_index_permute_with_num_experts(e, name):
+    """``num_experts`` routes a CUDA index map through ``qmoe::permute_index`` (the op picks
+    the fused kernel or the sorting path, ``fused_index_wins``): rows, probs, map, the merge
+    and the gradients equal the call without it (the sorting path), bit for bit, with
+    dropped routes and sentinels, plain and quantized."""
+    t, h, k = 2100, 160, 4  # T * K past the one-launch map kernel's entries
+    ids, _ = routing(t, e, k, "sentinels", "cuda")
+    n = int((ids >= 0).sum()) - 9
+    x0 = torch.randn(t, h, device="cuda")
+    p0 = torch.rand(t, k, device="cuda")
+    results = []
+    for ne in (None, e):
+        x, probs = x0.clone().requires_grad_(), p0.clone().requires_grad_()
+        inp = x if name is None else qmoe.quantize(x, RECIPES[name])
+        out, pp, rid = qmoe.moe_permute_with_probs(inp, probs, ids, n, map_type="index",
+                                                   num_experts=ne)
+        rows = out if name is None else out.dequantize()
+        y = qmoe.moe_unpermute(rows * pp[:, None], rid, p0, map_type="index")
+        y.square().sum().backward()
+        results.append((out, pp, rid, y, x.grad, probs.grad))
+    for a, b in zip(*results):
+        if isinstance(a, qmoe.QuantizedTensor):
+            assert_same_quantized(a, b)
+        else:
+            assert torch.equal(a, b)
