@@ -20,6 +20,8 @@ scale op is torch code on every device.
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import torch
 
 from qmoe._intmath import cdiv, next_pow2
@@ -31,7 +33,8 @@ from qmoe.tensors.types import Float8BlockwiseTensor, Float8Tensor, MXFP8Tensor
 __all__ = ["quantize", "dequantize", "quantize_reference", "quantize_rows_triton"]
 
 EPS = 1e-12  # smallest amax used for a scale, so all-zero blocks get a finite scale
-SCALE_MODES = {"amax": 0, "pow2": 1, "mx_floor": 2}
+#: scale_mode name -> the kernels' SCALE_MODE constexpr (read-only: no module-level mutable state)
+SCALE_MODES = MappingProxyType({"amax": 0, "pow2": 1, "mx_floor": 2})
 _HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _F32_MIN_NORMAL = 2.0**-126
 
