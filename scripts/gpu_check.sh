@@ -13,9 +13,6 @@ set -uo pipefail
 OUT=${OUT:-/tmp/qmoe_gpu_out}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-# Inductor compiles in this process, not in a pool of one worker per core per pytest job:
-# eight jobs with their pools were all SIGKILLed at once (session 15, out of memory)
-export TORCHINDUCTOR_COMPILE_THREADS=1
 unset TRITON_INTERPRET
 {
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
@@ -32,6 +29,9 @@ K=${1:-}
 export QMOE_GPU_CHECK=1
 # word-split QMOE_TESTS / QMOE_PYTEST_ARGS (eval: quotes inside them count), -k kept whole
 eval "set -- ${QMOE_TESTS:-tests} ${QMOE_PYTEST_ARGS:-}"
+# No pkill of leftovers here: timeout signals its whole process group (pytest and its
+# compile workers), and tests/test_scripts.py runs this script inside a pytest job, where
+# a pkill by name killed every pytest job at once (session 15).
 run_pytest() {  # run_pytest LOG ARGS...: one pytest under the time limit; prints its rc
   local log=$1; shift
   timeout --signal=INT --kill-after=30 "${QMOE_TEST_SECONDS:-0}" python3 -m pytest "$@" -q -p no:cacheprovider -rfE --tb=short --durations=25 -o faulthandler_timeout=180 ${K:+-k "$K"} > "$log" 2>&1
@@ -56,9 +56,6 @@ if [ "${QMOE_TESTS:-}" != none ]; then  # QMOE_TESTS=none: benchmarks only
     run_pytest "$OUT/tests.$j.part" "${group[@]}" "${opts[@]}" &
   done
   wait
-  # a pytest stopped by the time limit can leave Inductor's compile workers running,
-  # which would take the CPU from the benchmarks' host timings
-  pkill -9 -f 'compile_worker|pytest' 2> /dev/null
   for ((j = 0; j < jobs; j++)); do echo "=== job $j"; cat "$OUT/tests.$j.part"; rm "$OUT/tests.$j.part"; done > "$OUT/tests.log"
   grep -E "^(FAILED|ERROR)| in [0-9.]+s|stopped|pytest rc" "$OUT/tests.log" | tail -60
 fi
