@@ -40,14 +40,21 @@ run_pytest() {  # run_pytest LOG ARGS...: one pytest under the time limit; print
   echo "pytest rc=$rc" >> "$log"
 }
 if [ "${QMOE_TESTS:-}" != none ]; then  # QMOE_TESTS=none: benchmarks only
-  # QMOE_TEST_JOBS=N: N pytest processes share the GPU, test files dealt round-robin
-  # (the suite is mostly compile time, which is CPU-bound); one tests.log either way
+  # QMOE_TEST_JOBS=N: N pytest processes share the GPU (the suite is mostly Triton and
+  # Inductor compile time, which is CPU-bound), test ids dealt round-robin so that the
+  # files with many kernel variants spread over the jobs (dealt by file, three of four
+  # jobs of session 15 hit the time limit while one had finished); one tests.log either way
   jobs=${QMOE_TEST_JOBS:-1}
   files=() opts=()
   for a in "$@"; do
     if [ -d "$a" ]; then mapfile -t -O "${#files[@]}" files < <(find "$a" -name 'test_*.py' | sort)
     elif [ -f "${a%%::*}" ]; then files+=("$a"); else opts+=("$a"); fi  # a file or node id
   done
+  if [ "$jobs" -gt 1 ]; then  # the ids, with -k and -m applied (else: deal the files)
+    mapfile -t ids < <(python3 -m pytest --collect-only -q -p no:cacheprovider "${files[@]}" \
+                         "${opts[@]}" ${K:+-k "$K"} 2> /dev/null | grep '::')
+    [ "${#ids[@]}" -gt 0 ] && files=("${ids[@]}")
+  fi
   [ "$jobs" -gt "${#files[@]}" ] && jobs=${#files[@]}
   [ "$jobs" -lt 1 ] && jobs=1
   for ((j = 0; j < jobs; j++)); do

@@ -129,14 +129,16 @@ def test_shell_scripts_parse(path):
 
 
 def test_gpu_check_deals_test_files_to_jobs(tmp_path):
-    """``QMOE_TEST_JOBS=2``: each test file runs in one of two pytest processes, a failure in
-    one job shows in the summary, and both jobs' output lands in one ``tests.log``. (The
-    script's CUDA lines just print errors here; no benchmarks run.)"""
+    """``QMOE_TEST_JOBS=2``: the test ids are dealt round-robin to two pytest processes (each
+    file's tests split over both), a failure in one job shows in the summary, and both
+    jobs' output lands in one ``tests.log``. (The script's CUDA lines just print errors
+    here; no benchmarks run.)"""
     tests = tmp_path / "t"
     tests.mkdir()
     (tests / "test_a.py").write_text("def test_one():\n    pass\n\n\ndef test_two():\n    pass\n")
     (tests / "test_b.py").write_text("def test_ok():\n    pass\n\n\n"
-                                     "def test_bad():\n    assert False\n")
+                                     "def test_bad():\n    assert False\n\n\n"
+                                     "def test_three():\n    pass\n")
     out = tmp_path / "out"
     env = {**os.environ, "OUT": str(out), "QMOE_TEST_JOBS": "2", "QMOE_BENCHES": "none",
            "QMOE_TESTS": str(tests),
@@ -145,7 +147,8 @@ def test_gpu_check_deals_test_files_to_jobs(tmp_path):
                        capture_output=True, text=True, timeout=300)
     log = (out / "tests.log").read_text()
     assert log.count("=== job ") == 2, log
-    assert "2 passed" in log and "1 failed, 1 passed" in log, log
+    jobs = log.split("=== job ")[1:]  # by id: a::one, b::ok, b::three | a::two, b::bad
+    assert "3 passed" in jobs[0] and "1 failed, 1 passed" in jobs[1], log
     assert log.count("pytest rc=") == 2 and "pytest rc=1" in log, log
     assert "FAILED" in r.stdout and "test_bad" in r.stdout, r.stdout
     assert not list(out.glob("*.part")), "the per-job logs are merged and removed"
