@@ -201,10 +201,22 @@ def _index_select(func, types, args, kwargs):
     return x.map_rows(_bytewise(lambda t: func(t, d, index)))
 
 
+def _indexes_last_dim(indices, ndim: int) -> bool:
+    """Whether an ``aten.index`` index list reaches the last dim: a bool (or uint8) mask
+    covers as many dims as it has, any other index tensor one, ``None`` one (unindexed)."""
+    d = 0
+    for i in indices:
+        width = i.dim() if i is not None and i.dtype in (torch.bool, torch.uint8) else 1
+        if i is not None and d + width >= ndim:
+            return True
+        d += width
+    return False
+
+
 @implements(aten.index.Tensor)
 def _index(func, types, args, kwargs):
     x, indices = args
-    if x.block_size is not None and len(indices) >= x.dim() and indices[x.dim() - 1] is not None:
+    if x.block_size is not None and _indexes_last_dim(indices, x.dim()):
         raise ValueError(
             f"advanced indexing along the last dim (H) of a {type(x).__name__} would cut "
             "through its scale blocks; index leading dims only"

@@ -75,6 +75,10 @@ def test_ops_that_cut_blocks_raise(name):
         q.index_select(1, torch.tensor([0]))
     with pytest.raises(ValueError, match="last dim"):
         q[:, torch.tensor([0, 1])]
+    with pytest.raises(ValueError, match="last dim"):  # a mask over both dims covers H
+        q[torch.rand(4, 256) > 0.5]
+    rows = torch.tensor([True, False, True, True])  # a mask over the rows alone is fine
+    assert_same_bits(q[rows].qdata, q.qdata[rows])
 
 
 @pytest.mark.parametrize("name", ["blockwise-e4m3", "mx-e4m3"])
