@@ -153,6 +153,10 @@ def _map_in_scatter(inp, map_type: str) -> bool:
 def _permute(fn, inp, probs, routing_map, map_type, num_out_tokens, num_experts, quantize,
              quantize_scale, align_size=1):
     """``(output [N, H], permuted_probs [N] or empty, row_id_map)`` of the public functions."""
+    if (map_type == "index" and isinstance(routing_map, torch.Tensor)
+            and routing_map.dtype == torch.uint8):
+        # ids 0..255 (no -1 sentinel fits); TransformerEngine casts uint8 index maps too
+        routing_map = routing_map.to(torch.int16)
     n, num_experts = _out_rows(fn, inp, routing_map, map_type, num_out_tokens, num_experts,
                                align_size)
     # On CUDA the permute kernels check the probs of the routes they move (assert_probs_not_nan, a
@@ -195,7 +199,8 @@ def moe_permute(
         inp: ``[T, H]`` fp32/bf16/fp16.
         routing_map: ``map_type="mask"``: ``[T, E]`` bool or integer, nonzero = routed.
             ``map_type="index"``: ``[T, K]`` integer expert ids in ``[-1, E)``; ``-1`` is
-            "not routed" (the expert-parallel sentinel).
+            "not routed" (the expert-parallel sentinel). uint8 ids are cast to int16 (one
+            small copy).
         num_out_tokens: rows of the output, N. ``None`` (or ``-1``, TransformerEngine's
             old default) means all routed rows, counted with **one host sync**. An int
             makes the call sync-free: routes whose row would be ``>= N`` are dropped

@@ -196,13 +196,18 @@ def test_strided_quantized_input(name):
             assert_same_quantized(got, want)
 
 
-def test_integer_mask_and_int32_ids():
+def test_integer_mask_and_int32_and_uint8_ids():
     x, ids, mask = _inputs(40, 16, 6, 2, "random")
     a, _ = qmoe.moe_permute(x, mask.to(torch.int32))
     b, _ = qmoe.moe_permute(x, ids.to(torch.int32), map_type="index")
     c, _ = qmoe.moe_permute(x, mask)
     assert_same_bits(a, c)
     assert_same_bits(b, c)
+    # uint8 expert ids (no -1 fits), as TransformerEngine accepts them: the same rows and map
+    d, rd = qmoe.moe_permute(x, ids.to(torch.uint8), map_type="index")
+    _, r64 = qmoe.moe_permute(x, ids, map_type="index")
+    assert_same_bits(d, c)
+    assert torch.equal(rd, r64)
 
 
 def test_megatron_call_patterns():
