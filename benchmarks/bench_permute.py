@@ -102,11 +102,19 @@ def run_config(name: str, copy_bw: float, dev: str = "cuda", ops: str = "",
     _, order = torch_permute(x, ids, n)
     row_bytes = h * 2
     map_bytes = mask.numel() + rid.numel() * 4
+    # an index map: the int64 ids read, its [T, 2K+1] int32 map written (the [T, 2E+1]
+    # mask map's size was counted here until session 15: about 1.5% too many bytes at dsv3)
+    index_bytes = ids.numel() * 8 + t * (2 * k + 1) * 4
     move = (t + n) * row_bytes
     cases = {
         "permute(mask)": (lambda: qmoe.moe_permute(x, mask, n), move + map_bytes),
         "permute(index)": (lambda: qmoe.moe_permute(x, ids, n, map_type="index"),
-                           move + ids.numel() * 8 + rid.numel() * 4),
+                           move + index_bytes),
+        # with num_experts: qmoe::permute_index (the map built in the scatter launch where
+        # fused_index_wins), else the sorting map as above
+        "permute(index, num_experts)": (
+            lambda: qmoe.moe_permute(x, ids, n, map_type="index", num_experts=e),
+            move + index_bytes),
         "permute_with_probs(mask)": (lambda: qmoe.moe_permute_with_probs(x, probs, mask, n),
                                      move + map_bytes + probs.numel() * 4),
         "make_row_id_map(mask)": (

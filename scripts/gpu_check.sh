@@ -4,7 +4,7 @@
 #   QMOE_TESTS="tests/ops/test_kernels.py ..." narrows the test files (default: tests;
 #   none: no tests); QMOE_BENCHES=none: no benchmarks;
 #   QMOE_PYTEST_ARGS="-m 'not compile'" adds pytest arguments;
-#   QMOE_TEST_JOBS=4 runs four pytest processes side by side (files dealt round-robin);
+#   QMOE_TEST_JOBS=4 runs four pytest processes side by side (test ids dealt round-robin);
 #   QMOE_TEST_SECONDS=300 stops the tests after that long (SIGINT: pytest still prints what
 #   ran and failed) so the benchmarks run inside the device call's limit (default: no limit).
 # The GPU machine has torch and Triton but no network: nothing is installed here,
@@ -50,10 +50,19 @@ if [ "${QMOE_TESTS:-}" != none ]; then  # QMOE_TESTS=none: benchmarks only
     if [ -d "$a" ]; then mapfile -t -O "${#files[@]}" files < <(find "$a" -name 'test_*.py' | sort)
     elif [ -f "${a%%::*}" ]; then files+=("$a"); else opts+=("$a"); fi  # a file or node id
   done
-  if [ "$jobs" -gt 1 ]; then  # the ids, with -k and -m applied (else: deal the files)
-    mapfile -t ids < <(python3 -m pytest --collect-only -q -p no:cacheprovider "${files[@]}" \
-                         "${opts[@]}" ${K:+-k "$K"} 2> /dev/null | grep '::')
-    [ "${#ids[@]}" -gt 0 ] && files=("${ids[@]}")
+  if [ "$jobs" -gt 1 ]; then
+    # The ids, with -k and -m applied. Files are dealt instead when the collection fails
+    # (a file that does not import must show its error in a job, not vanish from the
+    # ids) or an id's file is not where this directory sees it (pytest prints ids from
+    # its rootdir).
+    collected=$(timeout 300 python3 -m pytest --collect-only -q -p no:cacheprovider \
+                "${files[@]}" "${opts[@]}" ${K:+-k "$K"} 2>&1)
+    crc=$?
+    mapfile -t ids < <(grep -E '^[^[:space:]]+\.py::' <<< "$collected")
+    ok=$([ "$crc" = 0 ] && [ "${#ids[@]}" -gt 0 ] && echo 1)
+    for id in "${ids[@]}"; do [ -f "${id%%::*}" ] || { ok=; break; }; done
+    if [ -n "$ok" ]; then files=("${ids[@]}")
+    else echo "gpu_check: collection rc=$crc; dealing files, not test ids" >&2; fi
   fi
   [ "$jobs" -gt "${#files[@]}" ] && jobs=${#files[@]}
   [ "$jobs" -lt 1 ] && jobs=1

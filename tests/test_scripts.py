@@ -128,7 +128,7 @@ def test_shell_scripts_parse(path):
     assert r.returncode == 0, r.stderr
 
 
-def test_gpu_check_deals_test_files_to_jobs(tmp_path):
+def test_gpu_check_deals_test_ids_to_jobs(tmp_path):
     """``QMOE_TEST_JOBS=2``: the test ids are dealt round-robin to two pytest processes (each
     file's tests split over both), a failure in one job shows in the summary, and both
     jobs' output lands in one ``tests.log``. (The script's CUDA lines just print errors
@@ -152,3 +152,23 @@ def test_gpu_check_deals_test_files_to_jobs(tmp_path):
     assert log.count("pytest rc=") == 2 and "pytest rc=1" in log, log
     assert "FAILED" in r.stdout and "test_bad" in r.stdout, r.stdout
     assert not list(out.glob("*.part")), "the per-job logs are merged and removed"
+
+
+def test_gpu_check_reports_a_file_that_does_not_import(tmp_path):
+    """A test file that fails to import leaves the collection without its ids: the script
+    then deals files, so the import error shows in a job (it must not vanish)."""
+    tests = tmp_path / "t"
+    tests.mkdir()
+    (tests / "test_a.py").write_text("import warnings\nwarnings.warn('aten::x :: y')\n\n\n"
+                                     "def test_one():\n    pass\n\n\ndef test_two():\n    pass\n")
+    (tests / "test_c.py").write_text("import nonexistent_module_qmoe\n")
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "QMOE_TEST_JOBS": "2", "QMOE_BENCHES": "none",
+           "QMOE_TESTS": "t",
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    r = subprocess.run(["bash", str(ROOT / "scripts/gpu_check.sh")], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=300)
+    log = (out / "tests.log").read_text()
+    assert "dealing files" in r.stderr, r.stderr
+    assert "ERROR" in r.stdout and "test_c.py" in r.stdout, r.stdout
+    assert "2 passed" in log, log

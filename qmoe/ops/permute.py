@@ -213,9 +213,11 @@ def moe_permute(
         max_token_num: accepted for TransformerEngine compatibility; qmoe keeps no
             workspace, so it is unused.
         map_type: ``"mask"`` or ``"index"``.
-        num_experts: with an index map, ids ``>= num_experts`` raise, and on CUDA the map
-            is built in the scatter launch (``qmoe::permute_index``; without it, a
-            sorting map first); with a mask map it must equal the mask's column count (E)
+        num_experts: with an index map, ids ``>= num_experts`` raise, and on CUDA
+            (without ``quantize=``) the call goes through ``qmoe::permute_index``, which
+            builds the map in the scatter launch where that was measured faster
+            (``fused_index_wins``: E <= 256, K <= 16, not a small map); without it, a
+            sorting map first. With a mask map it must equal the mask's column count (E)
             when given. Ids below ``-1``
             and ids ``>= 2**31 - 1`` always raise (a ``ValueError`` on the syncing path and
             on CPU; an async device assert on the sync-free CUDA path).

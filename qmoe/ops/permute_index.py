@@ -6,8 +6,8 @@ scatter launch. The public ops take it for CUDA index maps when ``num_experts`` 
 Glossary: T tokens, K slots per token, E experts, H hidden, N output rows, NS side-row
 columns.
 
-Today an index map on CUDA is built by ``make_row_id_map`` with torch sorts (tens of
-launches) unless it is small, then moved by the scatter kernel. ``permute_index_triton``
+Without it an index map on CUDA is built by ``make_row_id_map`` with torch sorts (tens
+of launches) unless it is small, then moved by the scatter kernel. ``permute_index_triton``
 does what ``permute_mask_triton`` does for masks: per-block route counts, their scan, then
 one kernel (``_kernels/permute_index.py``) whose token programs build their own map rows
 and move their data rows. It needs E (``num_experts``): the counts are per expert. Its map
@@ -97,28 +97,36 @@ def permute_index_triton(
 #: 66.3 -> 71.8, gptoss 34.7 -> 66.6), E = 256 (dsv3) 55.2 -> 83.4, but E = 512
 #: (qwen3next) 54.9 -> 41.9 (not profiled; the per-block count rows grow with E).
 FUSED_INDEX_MAX_EXPERTS = 256
+#: Largest K timed (qwen3next's 10; each token program compares its K ids with those of
+#: the earlier tokens of its block, a cost that grows with K squared).
+FUSED_INDEX_MAX_K = 16
 
 
 def fused_index_wins(t: int, k: int, num_experts: int) -> bool:
     """Whether a CUDA ``[T, K]`` index map of ``num_experts`` experts takes the fused
     kernel: not for maps small enough for the one-launch map kernel (two launches in all,
-    untimed against the fused three), nor above ``FUSED_INDEX_MAX_EXPERTS``."""
-    return num_experts <= FUSED_INDEX_MAX_EXPERTS and not small_index_map(t, k)
+    not timed against the fused three), nor above ``FUSED_INDEX_MAX_EXPERTS`` (slower),
+    nor above ``FUSED_INDEX_MAX_K`` (not timed)."""
+    return (num_experts <= FUSED_INDEX_MAX_EXPERTS and k <= FUSED_INDEX_MAX_K
+            and not small_index_map(t, k))
 
 
 @define(
     "permute_index(Tensor inp, Tensor routing_map, Tensor? probs, Tensor? side, "
-    "SymInt num_out_tokens, int num_experts) -> (Tensor, Tensor, Tensor, Tensor)"
+    "SymInt num_out_tokens, SymInt num_experts) -> (Tensor, Tensor, Tensor, Tensor)"
 )
 def _permute_index(inp, routing_map, probs, side, num_out_tokens, num_experts):
     """``(out [N, H], permuted_probs [N] or empty, side_out [N, NS] or empty, row_id_map
     [T, 2K+1] int32)``: ``inp [T, H]`` grouped by the index map ``[T, K]`` (ids in
     ``[-1, num_experts)``), with ``probs [T, K]`` and side rows ``[T, NS]`` (block scales
     of quantized rows) moved alike. No host sync. On CUDA the fused kernel where it wins
-    (``fused_index_wins``), else the sorting map then the scatter, as on CPU."""
+    (``fused_index_wins``; its device assert checks the ids), else the sorting map then one
+    scatter of rows, side rows and probs (ids past ``num_experts`` unchecked there: the
+    public ops check them first, and the sorting path needs no E); on CPU the same two
+    steps after a check of the ids."""
     if inp.is_cuda and fused_index_wins(*routing_map.shape, num_experts):
         return permute_index_triton(inp, routing_map, num_out_tokens, num_experts, probs, side)
-    if routing_map.numel():  # the kernel's assert, as a ValueError on CPU tensors
+    if routing_map.numel() and not inp.is_cuda:  # the kernel's assert, as a ValueError
         C.check_values("qmoe::permute_index",
                        ((routing_map >= -1) & (routing_map < num_experts)).all(),
                        f"routing_map ids must be in [-1, num_experts={num_experts}); check "

@@ -105,9 +105,10 @@ def register_passthrough(op: Any, impl: OpImpl | None = None):
             raise TypeError("register_passthrough: impl must be callable(func, args, kwargs)")
         old = _PASSTHROUGH.get(key)
         if old is not None and old is not fn:
+            fix = ("it is one of qmoe's own ops, whose rule stays" if key.namespace == "qmoe"
+                   else "call unregister_passthrough(op) first")
             raise ValueError(
-                f"register_passthrough: {key} already has a passthrough impl ({old!r}); "
-                "call unregister_passthrough(op) first"
+                f"register_passthrough: {key} already has a passthrough impl ({old!r}); {fix}"
             )
         _PASSTHROUGH[key] = fn
         return fn
@@ -116,9 +117,10 @@ def register_passthrough(op: Any, impl: OpImpl | None = None):
 
 
 def unregister_passthrough(op: Any) -> None:
-    """Remove ``op`` from the passthrough registry (no error if absent). qmoe's own ops
-    (the ``qmoe::`` namespace) stay: removing one would silently turn every later call
-    with a quantized input, in any thread, into a dequantizing fallback."""
+    """Remove ``op`` from the passthrough registry (no error if it is not there). Ops of
+    the ``qmoe::`` namespace raise ``ValueError``: qmoe's own rules stay, since removing
+    one would silently turn every later call with a quantized input, in any thread, into
+    a dequantizing fallback."""
     key = _op_key(op)
     if key.namespace == "qmoe":
         raise ValueError(
