@@ -63,6 +63,18 @@ def test_kernel_repeated_experts_in_a_token(kdevice):
             assert_same_bits(g.cpu(), w)
 
 
+@pytest.mark.parametrize("dtype,e", [(torch.int8, 120), (torch.int16, 200)])
+def test_kernel_narrow_id_dtypes(kdevice, dtype, e):
+    """int8 / int16 ids (a uint8 map reaches the kernel as int16) give the int64 result."""
+    ids, _ = routing(45, e, 4, "sentinels", kdevice)
+    x = torch.randn(45, 24, device=kdevice)
+    n = int((ids >= 0).sum()) - 3
+    got = permute_index_triton(x, ids.to(dtype), n, e, block_t=4)
+    for g, w in zip(got, _want(x, ids, n, None, None)):
+        if w is not None:
+            assert_same_bits(g.cpu(), w)
+
+
 def test_kernel_fp8_bits_and_no_routes(kdevice):
     t, h, e = 33, 48, 8
     ids, _ = routing(t, e, 3, "sentinels", kdevice)
