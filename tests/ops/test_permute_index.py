@@ -155,6 +155,23 @@ def test_op_opcheck_and_fake(t):
             assert (r.shape, r.dtype, r.device) == (f.shape, f.dtype, f.device)
 
 
+@pytest.mark.compile
+def test_op_compiles_once_over_num_experts():
+    """``num_experts`` is a SymInt of the schema: under ``dynamic=True`` a new E reuses the
+    graph (an ``int`` argument would specialize it, one graph per E)."""
+    from torch._dynamo.testing import CompileCounter
+
+    cnt = CompileCounter()
+    f = torch.compile(lambda x, ids, n, e: ops.permute_index(x, ids, None, None, n, e)[0],
+                      backend=cnt, dynamic=True, fullgraph=True)
+    for e in (8, 9, 10):
+        ids, _ = routing(30, e, 2, "sentinels", DEV)
+        x = torch.randn(30, 16, device=DEV)
+        n = int((ids >= 0).sum())
+        assert_same_bits(f(x, ids, n, e), _want(x, ids, n, None, None)[0])
+    assert cnt.frame_count == 1
+
+
 def test_op_autograd_reaches_inp_and_probs():
     t, h, e = 21, 9, 6
     ids, _ = routing(t, e, 2, "no_route_tokens", DEV)
