@@ -346,7 +346,10 @@ def moe_sort_chunks_by_index(
 def moe_sort_chunks_by_index_with_probs(
     inp: torch.Tensor, probs: torch.Tensor, split_sizes: torch.Tensor, sorted_index: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``moe_sort_chunks_by_index`` that moves ``probs`` (``[T]`` float) along:
-    ``(output [T, H], permuted_probs [T])``. Differentiable in ``inp`` and ``probs``."""
+    """``moe_sort_chunks_by_index`` that moves ``probs`` (``[T]`` float; ``[T, 1]`` is
+    taken as ``[T]``, as TransformerEngine reads it) along: ``(output [T, H],
+    permuted_probs [T])``. Differentiable in ``inp`` and ``probs``."""
+    if isinstance(probs, torch.Tensor) and probs.dim() == 2 and probs.shape[1] == 1:
+        probs = probs[:, 0]
     _check("moe_sort_chunks_by_index_with_probs", inp, split_sizes, sorted_index, probs)
     return torch.ops.qmoe.sort_chunks(inp, split_sizes, sorted_index, probs)

@@ -34,6 +34,19 @@ def test_sort_chunks_matches_reference(t, h, c, tail):
     assert_same_bits(out2, out)
 
 
+def test_probs_of_shape_t_by_1():
+    """``[T, 1]`` probs (TransformerEngine reads them by row stride) give the ``[T]``
+    result, and their gradient keeps the ``[T, 1]`` shape."""
+    x = torch.randn(40, 8, device=DEV)
+    sizes, order = torch.tensor([10, 25, 5], device=DEV), torch.tensor([2, 0, 1], device=DEV)
+    p = torch.rand(40, 1, device=DEV, requires_grad=True)
+    out, pp = qmoe.moe_sort_chunks_by_index_with_probs(x, p, sizes, order)
+    want, wpp = qmoe.moe_sort_chunks_by_index_with_probs(x, p.detach()[:, 0], sizes, order)
+    assert torch.equal(out, want) and torch.equal(pp, wpp) and pp.shape == (40,)
+    pp.sum().backward()
+    assert p.grad.shape == (40, 1) and torch.equal(p.grad, torch.ones(40, 1, device=DEV))
+
+
 def test_sort_then_inverse_is_identity():
     t = 96
     x = torch.randn(t, 32, device=DEV)
