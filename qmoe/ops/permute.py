@@ -172,7 +172,7 @@ def _permute(fn, inp, probs, routing_map, map_type, num_out_tokens, num_experts,
         return out, pp, rid
     if map_type == "index" and inp.is_cuda and num_experts is not None and align_size == 1:
         # the map built in the scatter launch (qmoe::permute_index keeps the sorting path
-        # where that is faster: small maps, E > 256)
+        # where the fused kernel lost or was not timed: fused_index_wins)
         out, pp, _, rid = torch.ops.qmoe.permute_index(inp, routing_map, probs, None, n,
                                                        num_experts)
         return out, pp, rid

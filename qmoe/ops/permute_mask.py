@@ -166,13 +166,13 @@ def _permute_mask(inp, routing_map, probs, side, num_out_tokens, align_size):
 def map_then_permute(inp, routing_map, probs, side, n, is_index, align_size):
     """What a fused permute op runs where it takes no fused kernel (``permute_mask`` off
     CUDA, ``permute_index`` off CUDA or where the fused kernel loses): ``make_row_id_map``
-    then the rows, probs and side rows moved (one scatter on CUDA); same outputs."""
+    then the rows, probs and side rows moved (``permute_with_scales``: one scatter on
+    CUDA); same outputs."""
     rid, fill = ops.make_row_id_map(routing_map, n, is_index, align_size)
-    if side is not None and inp.is_cuda:  # rows and side rows in one pass
-        out, so, pp = ops.permute_with_scales(inp, side, rid, probs, n, fill)
-        return out, pp, so, rid
-    out, pp = ops.permute(inp, rid, probs, n, fill)
-    so = ops.permute(side, rid, None, n, fill)[0] if side is not None else inp.new_empty(0)
+    if side is None:
+        out, pp = ops.permute(inp, rid, probs, n, fill)
+        return out, pp, inp.new_empty(0), rid
+    out, so, pp = ops.permute_with_scales(inp, side, rid, probs, n, fill)
     return out, pp, so, rid
 
 
