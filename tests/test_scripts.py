@@ -128,24 +128,33 @@ def test_shell_scripts_parse(path):
     assert r.returncode == 0, r.stderr
 
 
-def test_gpu_check_deals_test_ids_to_jobs(tmp_path):
-    """``QMOE_TEST_JOBS=2``: the test ids are dealt round-robin to two pytest processes (each
-    file's tests split over both), a failure in one job shows in the summary, and both
-    jobs' output lands in one ``tests.log``. (The script's CUDA lines just print errors
-    here; no benchmarks run.)"""
+def _gpu_check(tmp_path, files: dict[str, str], tests_arg: str):
+    """Run ``scripts/gpu_check.sh`` with ``QMOE_TEST_JOBS=2`` and no benchmarks on test
+    files written under ``tmp_path/t`` (``tests_arg`` names them, absolute or relative):
+    ``(completed process, tests.log text, OUT folder)``. (The script's CUDA lines just
+    print errors here.)"""
     tests = tmp_path / "t"
     tests.mkdir()
-    (tests / "test_a.py").write_text("def test_one():\n    pass\n\n\ndef test_two():\n    pass\n")
-    (tests / "test_b.py").write_text("def test_ok():\n    pass\n\n\n"
-                                     "def test_bad():\n    assert False\n\n\n"
-                                     "def test_three():\n    pass\n")
+    for name, text in files.items():
+        (tests / name).write_text(text)
     out = tmp_path / "out"
     env = {**os.environ, "OUT": str(out), "QMOE_TEST_JOBS": "2", "QMOE_BENCHES": "none",
-           "QMOE_TESTS": str(tests),
+           "QMOE_TESTS": tests_arg,
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     r = subprocess.run(["bash", str(ROOT / "scripts/gpu_check.sh")], cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=300)
-    log = (out / "tests.log").read_text()
+    return r, (out / "tests.log").read_text(), out
+
+
+def test_gpu_check_deals_test_ids_to_jobs(tmp_path):
+    """``QMOE_TEST_JOBS=2``: the test ids are dealt round-robin to two pytest processes (each
+    file's tests split over both), a failure in one job shows in the summary, and both
+    jobs' output lands in one ``tests.log``."""
+    r, log, out = _gpu_check(tmp_path, {
+        "test_a.py": "def test_one():\n    pass\n\n\ndef test_two():\n    pass\n",
+        "test_b.py": "def test_ok():\n    pass\n\n\ndef test_bad():\n    assert False\n\n\n"
+                     "def test_three():\n    pass\n",
+    }, str(tmp_path / "t"))
     assert log.count("=== job ") == 2, log
     jobs = log.split("=== job ")[1:]  # by id: a::one, b::ok, b::three | a::two, b::bad
     assert "3 passed" in jobs[0] and "1 failed, 1 passed" in jobs[1], log
@@ -157,18 +166,11 @@ def test_gpu_check_deals_test_ids_to_jobs(tmp_path):
 def test_gpu_check_reports_a_file_that_does_not_import(tmp_path):
     """A test file that fails to import leaves the collection without its ids: the script
     then deals files, so the import error shows in a job (it must not vanish)."""
-    tests = tmp_path / "t"
-    tests.mkdir()
-    (tests / "test_a.py").write_text("import warnings\nwarnings.warn('aten::x :: y')\n\n\n"
-                                     "def test_one():\n    pass\n\n\ndef test_two():\n    pass\n")
-    (tests / "test_c.py").write_text("import nonexistent_module_qmoe\n")
-    out = tmp_path / "out"
-    env = {**os.environ, "OUT": str(out), "QMOE_TEST_JOBS": "2", "QMOE_BENCHES": "none",
-           "QMOE_TESTS": "t",
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-    r = subprocess.run(["bash", str(ROOT / "scripts/gpu_check.sh")], cwd=tmp_path, env=env,
-                       capture_output=True, text=True, timeout=300)
-    log = (out / "tests.log").read_text()
+    r, log, _ = _gpu_check(tmp_path, {
+        "test_a.py": "import warnings\nwarnings.warn('aten::x :: y')\n\n\n"
+                     "def test_one():\n    pass\n\n\ndef test_two():\n    pass\n",
+        "test_c.py": "import nonexistent_module_qmoe\n",
+    }, "t")
     assert "dealing files" in r.stderr, r.stderr
     assert "ERROR" in r.stdout and "test_c.py" in r.stdout, r.stdout
     assert "2 passed" in log, log
