@@ -241,12 +241,16 @@ def main() -> None:
     p.add_argument("--ceiling", action="store_true",
                    help="also a same-bytes copy and the K-copies kernels (no map)")
     p.add_argument("--chain", default="1", help="comma list: calls per graph (distinct inputs)")
-    p.add_argument("--rows", default="bf16,fp8", help="row kinds: bf16, fp8 (+ fp32 scales)")
+    p.add_argument("--rows", default="bf16,fp8",
+                   help="row kinds: bf16, fp8 (+ fp32 scales); empty: none (--quant-tiles only)")
     p.add_argument("--index", action="store_true", help="also the index-map permute: "
                    "sorting map + scatter against permute_index_triton")
     p.add_argument("--pdl", default="auto", help="comma list of auto/0/1: the scan and the "
                    "fused kernel as programmatic dependent launches (auto: Hopper or newer)")
     a = p.parse_args()
+    kinds = [v for v in a.rows.split(",") if v]
+    if set(kinds) - {"bf16", "fp8"}:
+        p.error(f"--rows: unknown row kinds {sorted(set(kinds) - {'bf16', 'fp8'})}")
     if not torch.cuda.is_available():
         print("sweep_permute_mask: CUDA not available")
         return
@@ -261,7 +265,7 @@ def main() -> None:
                                [None if v == "auto" else bool(int(v))
                                 for v in a.reg_routes.split(",")],
                                [int(v) for v in a.block_h.split(",") if v], a.ceiling, chain,
-                               a.rows.split(","), [None if v == "auto" else bool(int(v))
+                               kinds, [None if v == "auto" else bool(int(v))
                                                    for v in a.pdl.split(",")], a.index)
         write_json(a.out, {"bench": "sweep_permute_mask", "env": env_info(),
                            "copy_GB/s": round(copy_bw, 1), "results": rows})
