@@ -9,6 +9,9 @@
 #   ran and failed) so the benchmarks run inside the device call's limit (default: no limit).
 # The GPU machine has torch and Triton but no network: nothing is installed here,
 # qmoe is used from the checkout through PYTHONPATH.
+# The device tool brings back at most 8 files from $OUT (session 16 lost two): this script
+# writes env.txt, tests.log and a .json and a .log per benchmark, 8 with the default three;
+# extra commands in the same call should write into those or skip files of their own.
 set -uo pipefail
 OUT=${OUT:-/tmp/qmoe_gpu_out}
 mkdir -p "$OUT"
