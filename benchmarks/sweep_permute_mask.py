@@ -191,16 +191,18 @@ def rid_bytes(mask) -> int:
     return mask.shape[0] * (2 * mask.shape[1] + 1) * 4
 
 
-def map_then_quantize(xb, mask, n, args):
+def map_then_quantize(xb, mask, n, args, **tiling):
     rid, fill = make_row_id_map(mask, n, False, 1)
-    return quantize_permute_triton(xb, rid, None, n, *args, fill)
+    return quantize_permute_triton(xb, rid, None, n, *args, fill, **tiling)
 
 
 def quantize_cases(name, mask, n, copy_bw, tiles, warps, reg_routes,
                    pdls=(None,)) -> list[dict]:
     """The fused blockwise quantize-permute of a mask: the map built first, then the
-    map-reading kernel, against the kernel that builds the map rows itself, per row tile
-    (elements a program) x warps. Bytes: bf16 rows in, fp8 rows and fp32 scales out."""
+    map-reading kernel (the ops' path for N < 6T), against the kernel that builds the map
+    rows itself (N >= 6T), each per row tile (elements a program) x warps, and the
+    map-reading kernel at its default tiling. Bytes: bf16 rows in, fp8 rows and fp32 scales
+    out."""
     t, h = mask.shape[0], CONFIGS[name][1]
     xb = torch.randn(t, h, dtype=torch.bfloat16, device="cuda")
     args = (128, torch.float8_e4m3fn, "amax", None)
@@ -208,6 +210,9 @@ def quantize_cases(name, mask, n, copy_bw, tiles, warps, reg_routes,
     cases = {"quantize: map then fused": lambda: map_then_quantize(xb, mask, n, args)}
     for tile in tiles:
         for nw in warps:
+            cases[f"quantize: map then fused tile={tile} warps={nw}"] = (
+                lambda tile=tile, nw=nw: map_then_quantize(xb, mask, n, args, tile=tile,
+                                                           num_warps=nw))
             for rr, pdl in itertools.product(reg_routes, pdls):
                 cases[f"quantize: mask fused tile={tile} warps={nw} reg={rr} pdl={pdl}"] = (
                     lambda tile=tile, nw=nw, rr=rr, pdl=pdl: quantize_permute_mask_triton(
