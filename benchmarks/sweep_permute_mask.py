@@ -98,7 +98,7 @@ def two_step(x, mask, n, side=None, side_out=None):
 
 
 def run_config(name: str, copy_bw: float, block_ts, warps, tokens=(1,), quant_tiles=(),
-               reg_routes=(None,), block_hs=(), ceiling=False, chain=1,
+               quant_block=128, reg_routes=(None,), block_hs=(), ceiling=False, chain=1,
                kinds=("bf16", "fp8"), pdls=(None,), index=False) -> list[dict]:
     t, h, e, k = CONFIGS[name]
     n = t * k
@@ -109,7 +109,8 @@ def run_config(name: str, copy_bw: float, block_ts, warps, tokens=(1,), quant_ti
         rows += run_rows(name, dname, mask, copy_bw, block_ts, warps, tokens, reg_routes,
                          block_hs, ceiling, chain, pdls, ids if index else None)
     if quant_tiles:
-        rows += quantize_cases(name, mask, n, copy_bw, quant_tiles, warps, reg_routes, pdls)
+        rows += quantize_cases(name, mask, n, copy_bw, quant_tiles, warps, reg_routes, pdls,
+                               quant_block)
     return rows
 
 
@@ -197,16 +198,18 @@ def map_then_quantize(xb, mask, n, args, **tiling):
 
 
 def quantize_cases(name, mask, n, copy_bw, tiles, warps, reg_routes,
-                   pdls=(None,)) -> list[dict]:
+                   pdls=(None,), block=128) -> list[dict]:
     """The fused blockwise quantize-permute of a mask: the map built first, then the
     map-reading kernel (the ops' path for N < 6T), against the kernel that builds the map
     rows itself (N >= 6T), each per row tile (elements a program) x warps, and the
-    map-reading kernel at its default tiling. Bytes: bf16 rows in, fp8 rows and fp32 scales
-    out."""
+    map-reading kernel at its default tiling. ``block`` 128: blockwise (fp32 scales), 32:
+    MXFP8 (e8m0 scales). Bytes: bf16 rows in, fp8 rows and their scales out."""
     t, h = mask.shape[0], CONFIGS[name][1]
     xb = torch.randn(t, h, dtype=torch.bfloat16, device="cuda")
-    args = (128, torch.float8_e4m3fn, "amax", None)
-    nbytes = t * h * 2 + n * (h + -(-h // 128) * 4) + mask.numel() + rid_bytes(mask)
+    mx = block == 32
+    args = (block, torch.float8_e4m3fn, "mx_floor" if mx else "amax", None)
+    nbytes = (t * h * 2 + n * (h + -(-h // block) * (1 if mx else 4)) + mask.numel()
+              + rid_bytes(mask))
     cases = {"quantize: map then fused": lambda: map_then_quantize(xb, mask, n, args)}
     for tile in tiles:
         for nw in warps:
@@ -222,9 +225,11 @@ def quantize_cases(name, mask, n, copy_bw, tiles, warps, reg_routes,
     for case, fn in cases.items():
         ms = graph_median_ms(fn)
         pct = 100 * nbytes / (ms * 1e-3) / 1e9 / copy_bw
-        rows.append({"config": name, "rows": "bf16->fp8", "case": case,
+        rows.append({"config": name, "rows": f"bf16->fp8 {'mx' if mx else 'blockwise'}",
+                     "case": case,
                      "graph_ms": round(ms, 4), "pct_copy_bw": round(pct, 1)})
-        print(f"{name:>9} {case:>36}: {ms:8.4f} ms {pct:5.1f}%", file=sys.stderr)
+        print(f"{name:>9} {'mx' if mx else 'blockwise'} {case:>36}: {ms:8.4f} ms {pct:5.1f}%",
+              file=sys.stderr)
     return rows
 
 
@@ -241,6 +246,8 @@ def main() -> None:
     p.add_argument("--quant-tiles", default="",
                    help="also the fused blockwise quantize-permute of a mask, per row tile "
                         "(elements a program) x warps (bytes: bf16 in, fp8 + scales out)")
+    p.add_argument("--quant-block", type=int, default=128, choices=(128, 32),
+                   help="the --quant-tiles cases' scale block: 128 blockwise, 32 MXFP8")
     p.add_argument("--block-h", default="", help="comma list: fused cases at these columns "
                    "a program (default: the launcher's)")
     p.add_argument("--ceiling", action="store_true",
@@ -266,7 +273,7 @@ def main() -> None:
             rows += run_config(name, copy_bw, [int(v) for v in a.block_t.split(",")],
                                [int(v) for v in a.warps.split(",")],
                                [int(v) for v in a.tokens.split(",")],
-                               [int(v) for v in a.quant_tiles.split(",") if v],
+                               [int(v) for v in a.quant_tiles.split(",") if v], a.quant_block,
                                [None if v == "auto" else bool(int(v))
                                 for v in a.reg_routes.split(",")],
                                [int(v) for v in a.block_h.split(",") if v], a.ceiling, chain,
