@@ -106,10 +106,11 @@ def _routed_count(fn, routing_map, map_type, num_experts, align_size) -> tuple[i
 
 
 def _check_index_ids(fn, routing_map, num_experts) -> None:
-    """Sync-free form of the id checks (one ``aminmax`` and an async assert on CUDA)."""
+    """Sync-free form of the id checks (one ``aminmax`` and an async assert on CUDA). The
+    extremes compare in int64: in the map's own dtype (int8, int16) the bounds would wrap."""
     if routing_map.numel() == 0:
         return
-    lo, hi = torch.aminmax(routing_map)
+    lo, hi = (v.long() for v in torch.aminmax(routing_map))
     bound = num_experts if num_experts is not None else C.ID_LIMIT
     what = f"num_experts={num_experts}" if num_experts is not None else (
         f"{C.ID_LIMIT} (renumber the experts to [0, E))")

@@ -210,6 +210,27 @@ def test_integer_mask_and_int32_and_uint8_ids():
     assert torch.equal(rd, r64)
 
 
+def test_small_integer_ids_with_bounds_past_their_dtype():
+    """int8 / int16 / uint8 index maps on the sync-free path, with ``num_experts`` past what
+    their dtype holds: the id checks compare in int64 (in the map's dtype 2**31 - 1 and E
+    wrapped, and valid maps raised). The rows and map equal the int64 map's."""
+    t, h, e, k = 37, 8, 6, 2
+    x, ids, _ = _inputs(t, h, e, k, "random")
+    ids[3, 1] = -1  # a dropped route (not for uint8, which holds no -1)
+    want, rwant = qmoe.moe_permute(x, ids, t * k, map_type="index")
+    for dt in (torch.int8, torch.int16, torch.uint8):
+        m = ids.clamp(min=0) if dt == torch.uint8 else ids
+        ref, rref = qmoe.moe_permute(x, m, t * k, map_type="index")
+        for ne in (None, 300, 40000):
+            got, rid = qmoe.moe_permute(x, m.to(dt), t * k, map_type="index", num_experts=ne)
+            assert_same_bits(got, ref)
+            assert torch.equal(rid, rref)
+    assert_same_bits(qmoe.moe_permute(x, ids.to(torch.int8), t * k, map_type="index")[0], want)
+    if DEV == "cpu":  # on CUDA the check is a device assert (test_bad_input.py runs those)
+        with pytest.raises(ValueError, match="num_experts=5"):
+            qmoe.moe_permute(x, ids.to(torch.int8), t * k, map_type="index", num_experts=5)
+
+
 def test_megatron_call_patterns():
     """Calls TransformerEngine accepts and Megatron-LM makes: fp64 router probs (their
     permuted probs and gradients stay fp64), ``num_out_tokens`` as a 0-d integer tensor or a

@@ -134,6 +134,21 @@ def test_kernel_programmatic_dependent_launch(pdl):
     assert torch.equal(got[3].cpu(), want[3])
 
 
+def test_op_cpu_id_check_in_int64():
+    """The op's CPU check of the ids compares in int64: an int16 map with E = 40000 (past
+    int16) is valid, and an id >= E still raises."""
+    t, e, k = 20, 6, 2
+    ids, _ = routing(t, e, k, "sentinels", DEV)
+    x = torch.randn(t, 5)
+    n = int((ids >= 0).sum())
+    want = ops.permute_index(x, ids, None, None, n, e)
+    got = ops.permute_index(x, ids.to(torch.int16), None, None, n, 40000)
+    for g, w in zip(got, want):
+        assert_same_bits(g, w)
+    with pytest.raises(ValueError, match="num_experts=4"):
+        ops.permute_index(x, ids.to(torch.int16), None, None, n, 4)
+
+
 @pytest.mark.parametrize("t", [0, 1, 37])
 def test_op_opcheck_and_fake(t):
     """``qmoe::permute_index`` passes opcheck (schema, fake, autograd registration), empty

@@ -34,6 +34,27 @@ def test_sort_chunks_matches_reference(t, h, c, tail):
     assert_same_bits(out2, out)
 
 
+@pytest.mark.parametrize("t,c,dt", [(200, 2, torch.int8), (300, 128, torch.int8),
+                                    (40000, 3, torch.int16)])
+def test_small_integer_sizes_and_index(t, c, dt):
+    """int8 / int16 ``split_sizes`` and ``sorted_index`` whose T or chunk count their
+    dtype cannot hold (T = 200 in int8, C = 128 in int8, T = 40000 in int16): the checks
+    compare in int64 (they wrapped and refused valid input); the rows equal int64 sizes'."""
+    x = torch.randn(t, 2, device=DEV)
+    sizes, order = _random_chunks(t, c)
+    if dt == torch.int8:  # every size must fit the dtype too
+        sizes = torch.full((c,), t // c)
+        sizes[-1] += t - int(sizes.sum())
+    want = qmoe.moe_sort_chunks_by_index(x, sizes.to(DEV), order.to(DEV))
+    got = qmoe.moe_sort_chunks_by_index(x, sizes.to(dt).to(DEV), order.to(dt).to(DEV))
+    assert_same_bits(got, want)
+    if DEV == "cpu":  # on CUDA a device assert (test_bad_input.py runs those)
+        bad = sizes.clone()
+        bad[0] += 1
+        with pytest.raises(ValueError, match="sum to at most T"):
+            qmoe.moe_sort_chunks_by_index(x, bad.to(dt), order.to(dt))
+
+
 def test_probs_of_shape_t_by_1():
     """``[T, 1]`` probs (TransformerEngine reads them by row stride) give the ``[T]``
     result, and their gradient keeps the ``[T, 1]`` shape."""
