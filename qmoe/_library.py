@@ -60,8 +60,10 @@ def on_input_device(fn: Callable) -> Callable:
 
 
 def define(schema: str) -> Callable[[Callable], Op]:
-    """Decorator: define ``qmoe::<schema>`` with the function as its CPU and CUDA kernel
-    (run on its first tensor argument's device: ``on_input_device``)."""
+    """Decorator: define ``qmoe::<schema>`` with the function as its kernel on every device
+    (``CompositeExplicitAutograd``, run on its first tensor argument's device:
+    ``on_input_device``): CUDA, and CPU unless ``qmoe._C`` registers a CPU kernel for the
+    op (``csrc/``, eight ops: ``qmoe.backends()``)."""
 
     def deco(fn: Callable) -> Op:
         name = schema.split("(", 1)[0]

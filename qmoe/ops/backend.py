@@ -2,9 +2,10 @@
 
 Glossary: T tokens, H hidden, S map slots per token, N output rows, P probs columns.
 Each primitive takes ``use_triton`` (default: ``x.is_cuda``); tests pass ``True`` on CPU
-under ``TRITON_INTERPRET=1`` to run the real kernels. No primitive syncs with the host
-on CUDA, and none keeps state between calls: every temporary comes from the caching
-allocator on the input's device.
+under ``TRITON_INTERPRET=1`` to run the real kernels. The Triton paths never sync with
+the host; the torch paths (``use_triton=False``) read values on the host and serve CPU
+tensors only. No primitive keeps state between calls: every temporary comes from the
+caching allocator on the input's device.
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ def _block_h(h: int) -> int:
 
 def scatter_tile(h: int, itemsize: int, weighted: bool) -> tuple[int, int, int]:
     """``(BLOCK_H, num_warps, KB)`` of the scatter kernel: up to 16 KiB of a row per
-    program (2 KiB of fp32 math when weighted). Picked from ``benchmarks/sweep_permute.py``
-    on the H200 (dsv3, qwen3, mixtral, gptoss: within 1-2% of each config's best)."""
+    program (2048 columns when weighted, whose math is fp32). Picked from
+    ``benchmarks/sweep_permute.py`` on the H200 (dsv3, qwen3, mixtral, gptoss: within 1-2%
+    of each config's best)."""
     cap = 2048 if weighted else 16384 // itemsize
     bh = max(16, min(cap, next_pow2(max(h, 1))))
     nw = min(8 if itemsize > 1 else 4, max(1, bh * itemsize // 512))

@@ -83,7 +83,8 @@ _permute.register_autograd(_backward, setup_context=_setup)
 
 
 def _routed_count(fn, routing_map, map_type, num_experts, align_size) -> tuple[int, int]:
-    """(output rows, E) with one host sync; value checks ride on the same sync."""
+    """(output rows, E for a mask map or -1 for an index map) with one host sync; value
+    checks ride on the same sync."""
     rm = routing_map
     if map_type == "index":
         ids = rm.long()

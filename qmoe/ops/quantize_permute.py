@@ -44,7 +44,10 @@ def _two_step(x, rid, probs, n, block_size, fp8_dtype, scale_mode, scale):
     else:
         q, s = ops.quantize_blocks(x, block_size, fp8_dtype, scale_mode)
     bits, pp = ops.permute(q.view(torch.uint8), rid, probs, n)
-    s_out = s.clone() if scale_mode == "given" else ops.permute(s, rid, None, n)[0]
+    # a given scale comes back fp32 [] whatever one-element shape it came in (as the fake
+    # and the kernel path)
+    s_out = (s.float().reshape(()).clone() if scale_mode == "given"
+             else ops.permute(s, rid, None, n)[0])
     return bits.view(fp8_dtype), s_out, pp if probs is not None else x.new_empty(0)
 
 
@@ -120,8 +123,8 @@ def quantize_permute_mask_triton(x, mask, n, align_size, probs, block_size, fp8_
     """``(q, scale, permuted_probs, row_id_map)`` of ``x [T, H]`` by ``mask [T, E]`` with
     the map built in the fused launch (CUDA, or CPU under TRITON_INTERPRET=1): as
     ``make_row_id_map`` then ``quantize_permute_triton``, bit for bit. ``one_launch``,
-    ``tiling`` and ``pdl`` as in ``permute_mask_triton``; the rest as in
-    ``quantize_permute_triton``.
+    ``tiling`` and ``pdl`` as in ``permute_mask_triton``; ``tile`` (row elements a program)
+    defaults to 4096 at every H; the rest as in ``quantize_permute_triton``.
     No host sync."""
     from qmoe.ops._kernels.quantize_permute import quantize_permute_mask_kernel
     from qmoe.ops.backend import tail_programs

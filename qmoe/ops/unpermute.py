@@ -81,8 +81,9 @@ def _unpermute_backward(
     num_rows: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``grad_inp [N, H]`` (grad_out[t] * weight at each of t's rows, zero on rows no
-    token reads) and ``grad_merging_probs [T, P]`` (``<grad_out[t], inp[row]>``, fp32
-    accumulation; empty without merging_probs)."""
+    token reads) and ``grad_merging_probs [T, P]`` (``<grad_out[t], inp[row]>``,
+    accumulated in fp32; in fp64, rounded once, by the C++ CPU kernel; empty without
+    merging_probs or fwd_inp)."""
     if grad_out.is_cuda and merging_probs is not None and fwd_inp is not None:
         return merge_backward_triton(grad_out, fwd_inp, row_id_map, merging_probs)
     grad_inp = permute_rows(grad_out, row_id_map, num_rows, merging_probs)

@@ -2,10 +2,11 @@
 
 Registered on ``QuantizedTensor`` so every layout shares them. The rule they follow:
 an op along a *leading* dim is applied to ``qdata`` and, for block scales, to ``scale``
-alike; a per-tensor scale carries over. An op along the last dim (H) is allowed only
-where it cannot cut through a scale block: a ``slice`` (any bounds for a per-tensor
-scale, bounds on block edges for block scales). Everything else along H (``select``,
-``stack`` or ``cat`` along H, ...) raises ``ValueError``.
+alike; a per-tensor scale carries over. Along the last dim (H), block scales allow only
+what cannot cut through a scale block: a ``slice`` with bounds on block edges; everything
+else along H (``select``, ``stack``, ``cat``, ``index_select`` along H, ...) raises
+``ValueError``. A per-tensor scale allows every op along H (``slice``, ``cat``, ``split``,
+``index_select``, ...) except ``select`` and ``stack`` into a new last dim, which raise.
 """
 
 from __future__ import annotations

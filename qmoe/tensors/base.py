@@ -10,12 +10,16 @@ with a quantized argument:
    receives the quantized tensors intact: ``impl(func, args, kwargs)`` moves raw
    ``qdata``/``scale`` (usually through :meth:`QuantizedTensor.map_rows`) and rewraps.
    qmoe's permutation ops register here; so can any library's ops.
-3. **Fallback.** Anything else dequantizes every quantized argument to its original
+3. **Writes.** An op that writes into a quantized argument (in place or ``out=``) and is
+   in neither table raises :class:`QuantizedDispatchError`, in every mode: the fallback
+   would write into a dequantized temporary and leave the quantized tensor unchanged.
+4. **Fallback.** Anything else dequantizes every quantized argument to its original
    dtype and runs in high precision, with a :class:`QuantizedFallbackWarning` naming the
    op (once per op, through Python's ``warnings`` registry). Inside
    :func:`strict_dispatch` the fallback raises instead.
 
-There is no module-level mutable state here beyond the passthrough registry itself:
+There is no module-level mutable state here beyond the registries (the passthrough
+registry, and each class's op table, filled at import and extended by ``implements``):
 strict mode lives in a ``ContextVar`` (per thread / task), and warnings are
 de-duplicated by the standard ``warnings`` machinery.
 """
@@ -44,7 +48,9 @@ class QuantizedFallbackWarning(UserWarning):
 
 
 class QuantizedDispatchError(NotImplementedError):
-    """Raised in strict mode when an op would fall back to dequantization."""
+    """Raised when an op would write into a quantized tensor without a quantized
+    implementation (any mode), and in strict mode when an op would fall back to
+    dequantization."""
 
 
 _STRICT: contextvars.ContextVar[bool] = contextvars.ContextVar(

@@ -105,7 +105,7 @@ def per_tensor_scale(x: torch.Tensor, recipe: PerTensor) -> torch.Tensor:
     )
 
 
-@define("per_tensor_scale(Tensor x, float fp8_max, bool pow2) -> Tensor")
+@define("per_tensor_scale(Tensor x, float fp8_max_value, bool pow2) -> Tensor")
 def _per_tensor_scale(x: torch.Tensor, fp8_max_value: float, pow2: bool) -> torch.Tensor:
     if x.numel() == 0:
         amax = x.new_zeros((), dtype=torch.float32)
@@ -320,8 +320,8 @@ def quantize(
 
     Returns a :class:`Float8Tensor` (``PerTensor``), :class:`Float8BlockwiseTensor`
     (``Blockwise``) or :class:`MXFP8Tensor` (``MXFP8``) whose ``orig_dtype`` is
-    ``x.dtype``. ``scale`` (``PerTensor`` only): a caller-given ``[]`` scale, e.g. from
-    delayed scaling, which skips the amax pass. No host sync. Differentiable: the
+    ``x.dtype``. ``scale`` (``PerTensor`` only): a caller-given one-element scale (any
+    shape), e.g. from delayed scaling, which skips the amax pass. No host sync. Differentiable: the
     backward passes the gradient straight through to ``x``.
     """
     if not isinstance(x, torch.Tensor):

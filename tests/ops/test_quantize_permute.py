@@ -227,7 +227,9 @@ def test_opcheck_and_fake():
         rid, fill = torch.ops.qmoe.make_row_id_map(mask, n, False, 1)
         for args in ((32, torch.float8_e4m3fn, "mx_floor", None),
                      (128, torch.float8_e5m2, "pow2", None),
-                     (0, torch.float8_e4m3fn, "given", torch.tensor(0.05, device=DEV))):
+                     (0, torch.float8_e4m3fn, "given", torch.tensor(0.05, device=DEV)),
+                     # a [1] scale: the output scale is [] still (the fake's shape)
+                     (0, torch.float8_e4m3fn, "given", torch.tensor([0.05], device=DEV))):
             for p in (probs, None):
                 torch.library.opcheck(torch.ops.qmoe.quantize_permute.default,
                                       (x, rid, p, n, *args))
