@@ -111,7 +111,8 @@ def _check_index_ids(fn, routing_map, num_experts) -> None:
     extremes compare in int64: in the map's own dtype (int8, int16) the bounds would wrap."""
     if routing_map.numel() == 0:
         return
-    lo, hi = (v.long() for v in torch.aminmax(routing_map))
+    lo, hi = torch.aminmax(routing_map)
+    lo, hi = lo.long(), hi.long()
     bound = num_experts if num_experts is not None else C.ID_LIMIT
     what = f"num_experts={num_experts}" if num_experts is not None else (
         f"{C.ID_LIMIT} (renumber the experts to [0, E))")

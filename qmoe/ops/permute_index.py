@@ -127,7 +127,8 @@ def _permute_index(inp, routing_map, probs, side, num_out_tokens, num_experts):
     if inp.is_cuda and fused_index_wins(*routing_map.shape, num_experts):
         return permute_index_triton(inp, routing_map, num_out_tokens, num_experts, probs, side)
     if routing_map.numel() and not inp.is_cuda:  # the kernel's assert, as a ValueError
-        lo, hi = (v.long() for v in torch.aminmax(routing_map))  # int64: no wrap of E
+        lo, hi = torch.aminmax(routing_map)
+        lo, hi = lo.long(), hi.long()  # int64: E would wrap in an int16 map's dtype
         C.check_values("qmoe::permute_index", (lo >= -1) & (hi < num_experts),
                        f"routing_map ids must be in [-1, num_experts={num_experts}); check "
                        "the router's output")

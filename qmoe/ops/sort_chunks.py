@@ -318,12 +318,14 @@ def _check(fn, inp, split_sizes, sorted_index, probs):
     if split_sizes.numel():
         c = split_sizes.numel()
         # extremes in int64: T and C would wrap in an int8 / int16 tensor's dtype
-        lo, hi = (v.long() for v in torch.aminmax(split_sizes))
+        lo, hi = torch.aminmax(split_sizes)
+        lo, hi = lo.long(), hi.long()
         C.check_values(fn, lo >= 0, "split_sizes must be >= 0")
         # each size <= T first: the sum of huge sizes would wrap in int64
         C.check_values(fn, (hi <= inp.shape[0]) & (split_sizes.sum() <= inp.shape[0]),
                        "split_sizes must sum to at most T, the rows of inp")
-        lo, hi = (v.long() for v in torch.aminmax(sorted_index))
+        lo, hi = torch.aminmax(sorted_index)
+        lo, hi = lo.long(), hi.long()
         C.check_values(fn, (lo >= 0) & (hi < c), f"sorted_index entries must be in [0, {c})")
         ar = torch.arange(c, device=sorted_index.device)
         C.check_values(fn, (torch.sort(sorted_index).values == ar).all(),
