@@ -40,6 +40,9 @@ def is_compiling() -> bool:
 def check_tensor(fn: str, name: str, x, *, ndim: int | None = None, dtypes=None, fix: str = ""):
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.layout != torch.strided:
+        raise TypeError(f"{fn}: {name} must be a dense tensor, got layout {x.layout}; pass "
+                        f"{name}.to_dense()")
     if ndim is not None and x.dim() != ndim:
         hint = f"; {fix}" if fix else ""
         raise ValueError(f"{fn}: {name} must be {ndim}-d, got shape {tuple(x.shape)}{hint}")

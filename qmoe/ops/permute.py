@@ -160,6 +160,9 @@ def _permute(fn, inp, probs, routing_map, map_type, num_out_tokens, num_experts,
             and routing_map.dtype == torch.uint8):
         # ids 0..255 (no -1 sentinel fits); TransformerEngine casts uint8 index maps too
         routing_map = routing_map.to(torch.int16)
+    if quantize is None and quantize_scale is not None:
+        raise ValueError(f"{fn}: quantize_scale is the scale of a fused per-tensor quantize; "
+                         "pass quantize=qmoe.PerTensor() with it, or drop it")
     n, num_experts = _out_rows(fn, inp, routing_map, map_type, num_out_tokens, num_experts,
                                align_size)
     # On CUDA the permute kernels check the probs of the routes they move (assert_probs_not_nan, a
@@ -301,6 +304,9 @@ def moe_permute_and_pad_with_probs(
       the CPU); a CPU one beside CUDA inputs is not checked in this form.
     """
     fn = "moe_permute_and_pad_with_probs"
+    if probs is None:
+        raise TypeError(f"{fn}: probs is required ([T, E] float; zeros if the experts need "
+                        "no weights)")
     align_size = C.as_int(fn, "align_size", align_size)
     if align_size < 1:
         raise ValueError(f"{fn}: align_size must be a positive int, got {align_size}")

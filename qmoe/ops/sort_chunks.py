@@ -352,7 +352,11 @@ def moe_sort_chunks_by_index_with_probs(
     """``moe_sort_chunks_by_index`` that moves ``probs`` (``[T]`` float; ``[T, 1]`` is
     taken as ``[T]``, as TransformerEngine reads it) along: ``(output [T, H],
     permuted_probs [T])``. Differentiable in ``inp`` and ``probs``."""
+    fn = "moe_sort_chunks_by_index_with_probs"
+    if probs is None:
+        raise TypeError(f"{fn}: probs is required; use moe_sort_chunks_by_index without probs")
+    C.check_not_quantized(fn, "probs", probs)  # before the [T, 1] squeeze indexes it
     if isinstance(probs, torch.Tensor) and probs.dim() == 2 and probs.shape[1] == 1:
         probs = probs[:, 0]
-    _check("moe_sort_chunks_by_index_with_probs", inp, split_sizes, sorted_index, probs)
+    _check(fn, inp, split_sizes, sorted_index, probs)
     return torch.ops.qmoe.sort_chunks(inp, split_sizes, sorted_index, probs)

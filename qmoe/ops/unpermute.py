@@ -187,7 +187,9 @@ def moe_unpermute(
 
     Args:
         inp: ``[N, H]`` fp32/bf16/fp16, the (expert-processed) output of a permute.
-        row_id_map: ``[T, 2*S + 1]`` int32 from ``moe_permute*``; T comes from it.
+        row_id_map: ``[T, 2*S + 1]`` int32 from ``moe_permute*``; T comes from it. A
+            hand-made map must name each row at most once, as qmoe's do (checked on the
+            CPU, with its other bounds; on CUDA the kernel checks the rows' range only).
         merging_probs: optional ``[T, E]`` (mask map) or ``[T, K]`` (index map) float
             weights (fp64 included; read as fp32); without it each kept route counts once.
         restore_shape: optional ``(T, H)``; checked against the map, never needed.
@@ -225,13 +227,17 @@ def moe_unpermute(
         C.check_tensor(fn, "merging_probs", merging_probs, ndim=2, dtypes=C._PROBS)
     C.check_same_device(fn, "inp", inp, row_id_map=row_id_map, merging_probs=merging_probs)
     t = row_id_map.shape[0]
+    if restore_shape is not None and not isinstance(restore_shape, (tuple, list, torch.Size)):
+        raise TypeError(f"{fn}: restore_shape must be a (T, H) tuple or torch.Size, got "
+                        f"{type(restore_shape).__name__}; omit it (qmoe recovers T from "
+                        "row_id_map)")
     if restore_shape is not None and tuple(restore_shape) != (t, inp.shape[1]):
         raise ValueError(
             f"{fn}: restore_shape {tuple(restore_shape)} does not match the map's T={t} and "
             f"inp's H={inp.shape[1]}; omit it (qmoe recovers T from row_id_map)"
         )
     if merging_probs is not None:
-        if merging_probs.shape[0] != t or merging_probs.shape[1] < 1:
+        if merging_probs.shape[0] != t:
             raise ValueError(
                 f"{fn}: merging_probs must be [T, E] or [T, K] with T={t} (the rows of "
                 f"row_id_map), got {tuple(merging_probs.shape)}"
@@ -251,4 +257,20 @@ def moe_unpermute(
             "row_id_map points past the rows of inp; pass the permute's output (all N "
             "rows) with the row_id_map built for it",
         )
+        C.check_values(fn, _rows_named_once(row_id_map, inp.shape[0]),
+                       "row_id_map names an output row twice (the backward would keep one "
+                       "token's gradient for it); pass the row_id_map qmoe built")
     return torch.ops.qmoe.unpermute(inp, row_id_map, merging_probs)
+
+
+def _rows_named_once(row_id_map: torch.Tensor, n: int) -> torch.Tensor:
+    """0-d bool: no output row in ``[0, n)`` is named by two kept routes of the map (qmoe's
+    maps never do; a hand-made one could). One scatter-add over the ``[T, S]`` slots, no
+    host sync and static shapes (so it also runs under compile)."""
+    s = num_slots(row_id_map)
+    rows = row_id_map[:, :s]
+    kept = torch.arange(s, device=rows.device) < row_id_map[:, 2 * s :]  # the first count
+    idx = torch.where(kept & (rows >= 0), rows, n).long().clamp(0, n).flatten()
+    hits = torch.zeros(n + 1, dtype=torch.int32, device=rows.device)
+    hits.scatter_add_(0, idx, torch.ones_like(idx, dtype=torch.int32))
+    return (hits[:n] <= 1).all()

@@ -350,8 +350,13 @@ def check_given_scale(fn: str, name: str, scale, x_name: str, x: torch.Tensor) -
     ``quantize_scale``): a one-element float tensor on ``x``'s device whose value is
     positive and finite. The value is checked where that is free (a CPU tensor in eager
     mode); on CUDA it is not (a device check would add launches to every call)."""
-    if not isinstance(scale, torch.Tensor) or scale.numel() != 1:
-        raise ValueError(f"{fn}: {name} must be a one-element tensor")
+    if not isinstance(scale, torch.Tensor):
+        raise TypeError(f"{fn}: {name} must be a one-element float tensor, got "
+                        f"{type(scale).__name__} (wrap a number as torch.tensor(v, "
+                        f"device={x_name}.device))")
+    if scale.numel() != 1:
+        raise ValueError(f"{fn}: {name} must be a one-element tensor, got shape "
+                         f"{tuple(scale.shape)}")
     if scale.device != x.device:
         raise ValueError(f"{fn}: {name} is on {scale.device} but {x_name} is on {x.device}")
     if not scale.is_floating_point():

@@ -91,6 +91,26 @@ ids = torch.zeros(6, 2, dtype=torch.long)
         (lambda: qmoe.moe_permute(x, mask, 12, quantize=qmoe.PerTensor(),
                                   quantize_scale=torch.tensor(1.0, device="meta")), ValueError,
          "quantize_scale is on meta but inp is on cpu"),
+        # found by a fuzz of the public calls (session 16)
+        (lambda: qmoe.moe_permute(x, mask, 12, quantize=qmoe.PerTensor(), quantize_scale=0.5),
+         TypeError, "quantize_scale must be a one-element float tensor, got float"),
+        (lambda: qmoe.moe_permute(x, mask, 12, quantize_scale=torch.tensor(0.5)), ValueError,
+         "pass quantize=qmoe.PerTensor"),
+        (lambda: qmoe.moe_permute_and_pad_with_probs(x, None, mask, None, 4), TypeError,
+         "probs is required"),
+        (lambda: qmoe.moe_sort_chunks_by_index_with_probs(
+            x, None, torch.tensor([6]), torch.tensor([0])), TypeError, "probs is required"),
+        (lambda: qmoe.moe_sort_chunks_by_index_with_probs(
+            x, qmoe.quantize(torch.rand(6, 1), qmoe.PerTensor()), torch.tensor([6]),
+            torch.tensor([0])), TypeError, "probs is a Float8Tensor; only inp may be quantized"),
+        (lambda: qmoe.moe_unpermute(x, qmoe.moe_permute(x, mask)[1], restore_shape=6),
+         TypeError, "restore_shape must be a"),
+        (lambda: qmoe.moe_permute(x.to_sparse(), mask), TypeError, "inp must be a dense"),
+        (lambda: qmoe.moe_permute(x, mask.to_sparse()), TypeError, "routing_map must be a dense"),
+        # a hand-made map naming row 0 twice: the forward would sum, the backward keep one
+        (lambda: qmoe.moe_unpermute(x[:1], torch.tensor([[0, 0, 0, 1, 2]], dtype=torch.int32),
+                                    torch.tensor([[0.25, 0.5]])), ValueError,
+         "names an output row twice"),
     ],
 )
 def test_bad_input(call, exc, match):

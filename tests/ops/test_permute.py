@@ -210,6 +210,22 @@ def test_integer_mask_and_int32_and_uint8_ids():
     assert torch.equal(rd, r64)
 
 
+@pytest.mark.parametrize("map_type", ["mask", "index"])
+def test_no_experts_with_merging_probs(map_type):
+    """E = 0 (mask) / K = 0 (index): the permute gives no rows, and unpermute with the
+    [T, 0] merging probs it accepted gives zeros (it had refused them), forward and back."""
+    x = torch.randn(3, 4, device=DEV, requires_grad=True)
+    p = torch.rand(3, 0, device=DEV, requires_grad=True)
+    rm = (torch.zeros(3, 0, dtype=torch.bool, device=DEV) if map_type == "mask"
+          else torch.zeros(3, 0, dtype=torch.long, device=DEV))
+    out, pp, rid = qmoe.moe_permute_with_probs(x, p, rm, map_type=map_type)
+    assert out.shape == (0, 4) and pp.shape == (0,)
+    y = qmoe.moe_unpermute(out, rid, p, map_type=map_type)
+    assert torch.equal(y, torch.zeros(3, 4, device=DEV))
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.zeros_like(x)) and p.grad.shape == (3, 0)
+
+
 def test_small_integer_ids_with_bounds_past_their_dtype():
     """int8 / int16 / uint8 index maps on the sync-free path, with ``num_experts`` past what
     their dtype holds: the id checks compare in int64 (in the map's dtype 2**31 - 1 and E
