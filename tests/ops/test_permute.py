@@ -233,6 +233,7 @@ def test_small_integer_ids_with_bounds_past_their_dtype():
     t, h, e, k = 37, 8, 6, 2
     x, ids, _ = _inputs(t, h, e, k, "random")
     ids[3, 1] = -1  # a dropped route (not for uint8, which holds no -1)
+    ids[0, 0] = e - 1  # the largest id occurs (the num_experts=5 case below must raise)
     want, rwant = qmoe.moe_permute(x, ids, t * k, map_type="index")
     for dt in (torch.int8, torch.int16, torch.uint8):
         m = ids.clamp(min=0) if dt == torch.uint8 else ids

@@ -139,6 +139,7 @@ def test_op_cpu_id_check_in_int64():
     int16) is valid, and an id >= E still raises."""
     t, e, k = 20, 6, 2
     ids, _ = routing(t, e, k, "sentinels", DEV)
+    ids[0, 0] = e - 1  # an id >= 4 occurs (the last call must raise)
     x = torch.randn(t, 5)
     n = int((ids >= 0).sum())
     want = ops.permute_index(x, ids, None, None, n, e)
