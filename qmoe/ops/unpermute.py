@@ -265,11 +265,16 @@ def moe_unpermute(
 
 def _rows_named_once(row_id_map: torch.Tensor, n: int) -> torch.Tensor:
     """0-d bool: no output row in ``[0, n)`` is named by two kept routes of the map (qmoe's
-    maps never do; a hand-made one could). One scatter-add over the ``[T, S]`` slots, no
-    host sync and static shapes (so it also runs under compile)."""
+    maps never do; a hand-made one could). One scatter-add over the slots. CPU tensors (the
+    only callers) in eager mode read the largest count first, which is free there, and
+    look at that many slots (K of a mask map's E: 30x less work at E = 256); under compile
+    all S slots, with static shapes."""
     s = num_slots(row_id_map)
+    count = row_id_map[:, 2 * s :]
+    if row_id_map.device.type == "cpu" and not C.is_compiling() and count.numel():
+        s = max(0, min(s, int(count.max())))
     rows = row_id_map[:, :s]
-    kept = torch.arange(s, device=rows.device) < row_id_map[:, 2 * s :]  # the first count
+    kept = torch.arange(s, device=rows.device) < count  # the first count slots
     idx = torch.where(kept & (rows >= 0), rows, n).long().clamp(0, n).flatten()
     hits = torch.zeros(n + 1, dtype=torch.int32, device=rows.device)
     hits.scatter_add_(0, idx, torch.ones_like(idx, dtype=torch.int32))
