@@ -75,9 +75,11 @@ def _generic(v):
 def _specific(op, name, g):
     """Value errors particular to an argument of an op."""
     q = qmoe.quantize(g["x"], qmoe.Blockwise())
+    p = g["p1"] if op.startswith("moe_sort_chunks") else g["probs"]  # [N] there, [T, E] else
     cases = {
-        "probs": [("NaN probs", torch.full_like(g["probs"], float("nan"))),
-                  ("quantized probs", qmoe.quantize(g["probs"], qmoe.PerTensor()))],
+        "probs": [("NaN probs", torch.full_like(p, float("nan"))),
+                  ("quantized probs", qmoe.quantize(p[:, None] if p.dim() == 1 else p,
+                                                    qmoe.PerTensor()))],
         "merging_probs": [("NaN probs", torch.full_like(g["probs"], float("nan"))),
                           ("wrong column count", g["probs"][:, :3])],
         "num_out_tokens": [("negative count", -5), ("float count", 7.0), ("bool count", True),
@@ -128,6 +130,9 @@ def test_bad_argument_raises_clearly(op, name, kind, bad):
         call(kw)
     msg = str(info.value)
     assert name in msg or (name == "inp" and "inp" in msg), msg
+    # the refusal is for this kind, not for some other fault of the bad value
+    want = {"NaN probs": "NaN", "quantized probs": "only inp may be quantized"}.get(kind)
+    assert want is None or want in msg, msg
     assert msg.split(":")[0].strip() in op or msg.startswith(op.split("(")[0]), msg
     for k, v in keep.items():  # nothing was written into the inputs
         assert_same_bits(kw[k], v)

@@ -163,9 +163,11 @@ def test_bad_input_under_compile(fullgraph):
     x = torch.randn(t, h, device=DEV)
     qb = qmoe.quantize(x, qmoe.Blockwise())
     qm = qmoe.quantize(x, qmoe.MXFP8())
+    qp = qmoe.quantize(torch.rand(t, e, device=DEV), qmoe.PerTensor())  # probs' shape
     cases = [  # (call, message, raised by the public function's own Python checks)
         (lambda x: qmoe.moe_permute(x, mask)[0], "pass num_out_tokens", True),
-        (lambda x: qmoe.moe_permute_with_probs(x, qb, mask, 16)[0], "probs", True),
+        (lambda x: qmoe.moe_permute_with_probs(x, qp, mask, 16)[0],
+         "only inp may be quantized", True),
         (lambda x: qmoe.moe_permute(torch.cat([qb, qm]), torch.cat([mask, mask]), 32)[0],
          "one recipe", False),
         (lambda x: qmoe.moe_permute(x, ids + 3, 16, map_type="index", num_experts=e)[0],

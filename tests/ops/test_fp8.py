@@ -145,4 +145,10 @@ def test_unpermute_of_quantized_rows_backward(name):
     wd = w.detach().clone().requires_grad_()
     qmoe.moe_unpermute(yd, rid, wd).backward(g)
     torch.testing.assert_close(w.grad, wd.grad, rtol=1e-5, atol=1e-5)
-    assert x.grad is not None and x.grad.dtype == torch.float32
+    # x's gradient: quantize passes it straight through, so it is the plain path's (the
+    # merge's backward scatters g * w, which does not read the rows)
+    xe = x.detach().clone().requires_grad_()
+    out_e, rid_e = qmoe.moe_permute(xe, mask, t * 2)
+    qmoe.moe_unpermute(out_e, rid_e, w.detach()).backward(g)
+    assert x.grad.dtype == torch.float32
+    torch.testing.assert_close(x.grad, xe.grad, rtol=1e-6, atol=1e-6)

@@ -404,7 +404,8 @@ def _permute_probs_case(dev, path, bad):
     x = torch.randn(t, h, device=dev)
     probs = torch.rand(t, e, device=dev)
     if bad == "routed":
-        probs[mask.nonzero()[5].tolist()] = float("nan")
+        probs[tuple(mask.nonzero()[5].tolist())] = float("nan")  # one entry (a list
+        # index would select two whole rows)
     elif bad == "unrouted":
         probs[~mask] = float("nan")
 
