@@ -44,3 +44,17 @@ def map_then_permute(x, routing_map, n, is_index, align, probs=None, side=None):
                          use_triton=False)
     return out, pp, so, rid
 
+
+
+def assert_bf16_merge(y, rows, routing_map, map_type, w, n=None):
+    """``y`` (a bf16 merge of ``rows`` [N, H] by ``w``) against the fp64 reference: fp32
+    accumulation (at most 2**-20 of the sum of |terms| for up to 16 routes), then one
+    rounding to bf16 (half an ulp, 2**-8 relative). A merge accumulated in bf16 fails it."""
+    from qmoe.ops import reference as R
+
+    rows, rm = rows.double().cpu(), routing_map.cpu()
+    w = None if w is None else w.double().cpu()
+    ref = R.unpermute(rows, rm, map_type, w, n)
+    mag = R.unpermute(rows.abs(), rm, map_type, None if w is None else w.abs(), n)
+    err = (y.double().cpu() - ref).abs()
+    assert (err <= 2**-8 * ref.abs() + 2**-20 * mag).all(), float(err.max())
