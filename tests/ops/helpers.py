@@ -58,3 +58,27 @@ def assert_bf16_merge(y, rows, routing_map, map_type, w, n=None):
     mag = R.unpermute(rows.abs(), rm, map_type, None if w is None else w.abs(), n)
     err = (y.double().cpu() - ref).abs()
     assert (err <= 2**-8 * ref.abs() + 2**-20 * mag).all(), float(err.max())
+
+
+def merge_fp64(rows, rid, w=None):
+    """The merge of ``rows`` [N, H] by a row_id_map ``rid`` [T, 2S+1] (weights ``w`` [T, S]
+    optional) in fp64, read straight from the map's format with Python loops: an oracle
+    that shares no code with qmoe's merges (small T only)."""
+    s = (rid.shape[1] - 1) // 2
+    rows, rid = rows.double().cpu(), rid.cpu()
+    out = torch.zeros(rid.shape[0], rows.shape[1], dtype=torch.float64)
+    for t in range(rid.shape[0]):
+        for j in range(int(rid[t, 2 * s])):
+            wt = 1.0 if w is None else float(w[t, int(rid[t, s + j])])
+            out[t] += rows[int(rid[t, j])] * wt
+    return out
+
+
+def assert_merge_close(got, rows, rid, w=None, out_eps=2.0**-24):
+    """``got`` against ``merge_fp64``: fp32 accumulation (2**-20 of the sum of |terms|,
+    enough for 16 routes) plus one rounding to the output dtype (``out_eps``: half an ulp,
+    relative: 2**-24 fp32, 2**-11 fp16, 2**-8 bf16)."""
+    ref = merge_fp64(rows, rid, w)
+    mag = merge_fp64(rows.abs(), rid, None if w is None else w.abs())
+    err = (got.double().cpu() - ref).abs()
+    assert (err <= out_eps * ref.abs() + 2.0**-20 * mag).all(), float(err.max())

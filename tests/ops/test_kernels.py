@@ -14,7 +14,7 @@ import torch
 from qmoe._intmath import next_pow2
 from qmoe.ops import backend as B
 from qmoe.ops.row_id_map import make_row_id_map
-from tests.ops.helpers import routing
+from tests.ops.helpers import assert_merge_close, merge_fp64, routing
 from tests.tensors.helpers import assert_same_bits
 
 
@@ -72,9 +72,8 @@ def test_permute_unpermute_kernels(kdevice, t, h, e, k, kind, extra, map_type):
         # Weighted: the GPU fuses x * w + acc into one FMA, so compare with an fp64 merge
         # within fp32 accumulation and output rounding.
         got = B.unpermute_rows(y, rid, w, use_triton=True, out=_poison((t, h), dtype, kdevice))
-        ref = B.unpermute_rows(y.double(), rid, w.double(), use_triton=False)
-        tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-3}[dtype]
-        torch.testing.assert_close(got.double(), ref, rtol=tol, atol=tol)
+        eps = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+        assert_merge_close(got, y, rid, w, eps[dtype])
 
 
 @pytest.mark.parametrize("h", [1025, 2880])
@@ -92,8 +91,7 @@ def test_merge_in_column_tiles(kdevice, h):
     assert_same_bits(got.cpu(), B.unpermute_rows(y.cpu(), rid.cpu(), None, use_triton=False))
     w = torch.rand(t, e, device=kdevice)
     got = B.unpermute_rows(y, rid, w, use_triton=True, out=_poison((t, h), y.dtype, kdevice))
-    ref = B.unpermute_rows(y.double(), rid, w.double(), use_triton=False)
-    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
+    assert_merge_close(got, y, rid, w)
 
 
 @pytest.mark.parametrize("t,h,e,k,kind,extra", CASES + [
@@ -320,8 +318,8 @@ def test_unpermute_fp8_kernel_dequantizes_in_place(kdevice, recipe, h):
         else:  # the GPU contracts x * s (* w) + acc to FMAs: bound the error against fp64
             deq = q.dequantize(torch.float64).cpu()
             wd = None if weights is None else weights.double().cpu()
-            ref = B.unpermute_rows(deq, rid.cpu(), wd, use_triton=False)
-            mag = B.unpermute_rows(deq.abs(), rid.cpu(), wd, use_triton=False)
+            ref = merge_fp64(deq, rid, wd)
+            mag = merge_fp64(deq.abs(), rid, wd)
             err = (got.cpu().double() - ref).abs()
             # dequantize, weight and k adds, each within half an fp32 ulp of its result
             assert (err <= (k + 2) * 2.0**-24 * mag).all(), float((err / mag).nan_to_num().max())

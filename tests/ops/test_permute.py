@@ -242,7 +242,8 @@ def test_small_integer_ids_with_bounds_past_their_dtype():
             assert_same_bits(got, ref)
             assert torch.equal(rid, rref)
     assert_same_bits(qmoe.moe_permute(x, ids.to(torch.int8), t * k, map_type="index")[0], want)
-    if DEV == "cpu":  # on CUDA the check is a device assert (test_bad_input.py runs those)
+    if DEV == "cpu":  # on CUDA a device assert, which ends the CUDA context (one runs in a
+        # child process: test_compile_ops.py::test_bad_input_under_compile)
         with pytest.raises(ValueError, match="num_experts=5"):
             qmoe.moe_permute(x, ids.to(torch.int8), t * k, map_type="index", num_experts=5)
 

@@ -47,7 +47,8 @@ def test_small_integer_sizes_and_index(t, c, dt):
     want = qmoe.moe_sort_chunks_by_index(x, sizes.to(DEV), order.to(DEV))
     got = qmoe.moe_sort_chunks_by_index(x, sizes.to(dt).to(DEV), order.to(dt).to(DEV))
     assert_same_bits(got, want)
-    if DEV == "cpu":  # on CUDA a device assert (test_bad_input.py runs those)
+    if DEV == "cpu":  # on CUDA a device assert, which ends the CUDA context (one runs in a
+        # child process: test_compile_ops.py::test_bad_input_under_compile)
         bad = sizes.clone()
         bad[0] += 1
         with pytest.raises(ValueError, match="sum to at most T"):
