@@ -97,6 +97,21 @@ def test_mx_scale_is_ocp_floor(fp8):
     assert not q.qdata.float().isnan().any()
 
 
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_amax_scales_follow_the_rule(fp8):
+    """The amax-mode scales, recomputed here from their definition (``max(amax, 1e-12) /
+    fp8_max`` with fp8_max from ``torch.finfo``, not qmoe's): a scale off by a constant
+    factor (half the fp8 range used) passes every SQNR floor, not this."""
+    x = torch.randn(5, 384) * torch.logspace(-3, 3, 5)[:, None]
+    x[1, 128:256] = 0  # an all-zero block: the 1e-12 floor
+    big = torch.tensor(torch.finfo(fp8).max, dtype=torch.float32)
+    q = qmoe.quantize(x, qmoe.Blockwise(fp8_dtype=fp8))
+    want = x.reshape(5, 3, 128).abs().amax(-1).clamp(min=1e-12) / big
+    assert_same_bits(q.raw_scale, want)
+    p = qmoe.quantize(x, qmoe.PerTensor(fp8_dtype=fp8))
+    assert_same_bits(p.raw_scale, x.abs().amax().clamp(min=1e-12) / big)
+
+
 @pytest.mark.parametrize("name", ["pertensor-pow2", "blockwise-pow2"])
 def test_power_of_two_scales(name):
     recipe = RECIPES[name]
