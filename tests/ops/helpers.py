@@ -82,3 +82,13 @@ def assert_merge_close(got, rows, rid, w=None, out_eps=2.0**-24):
     mag = merge_fp64(rows.abs(), rid, None if w is None else w.abs())
     err = (got.double().cpu() - ref).abs()
     assert (err <= out_eps * ref.abs() + 2.0**-20 * mag).all(), float(err.max())
+
+
+def last_routed_row(mask, align):
+    """One past the last output row a route fills when each expert's group of the mask
+    ``[T, E]`` is padded to ``align``: a bound below it drops routes for sure (a bound
+    below the padded total may cut padding only)."""
+    counts = mask.sum(0).cpu()
+    padded = (counts + align - 1) // align * align
+    starts = torch.cumsum(padded, 0) - padded
+    return int((starts + counts)[counts > 0].max()) if bool((counts > 0).any()) else 0

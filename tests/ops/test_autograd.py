@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import qmoe
-from tests.ops.helpers import routing
+from tests.ops.helpers import last_routed_row, routing
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -79,7 +79,7 @@ def test_permute_probs_unpermute_backward(map_type, extra):
 
 
 @pytest.mark.parametrize("align", [4, 16])
-@pytest.mark.parametrize("spare", [None, 9, -7])
+@pytest.mark.parametrize("spare", [None, 9, -7, "drop"])
 def test_pad_variant_backward(align, spare):
     """The pad variant in both forms (host-synced N, or a bound with spare rows or dropped
     ones): gradients reach x and probs through the permutation alone; padding and spare
@@ -88,10 +88,14 @@ def test_pad_variant_backward(align, spare):
     _, mask = routing(t, e, k, "empty_experts", DEV)
     x, probs, merge = _leaves(t, h, e)
     padded = int(((mask.sum(0) + align - 1) // align * align).sum())
-    bound = None if spare is None else padded + spare
+    # -7 may cut padding only; "drop" cuts the last expert's last routes for sure
+    bound = (None if spare is None else last_routed_row(mask, align) - 2 if spare == "drop"
+             else padded + spare)
     out, pp, rid, pad_offsets, _ = qmoe.moe_permute_and_pad_with_probs(
         x, probs, mask, None, align, num_out_tokens=bound)
     assert out.shape[0] == (padded if bound is None else bound)
+    if spare == "drop":
+        assert int(rid[:, -1].sum()) < int(mask.sum())
     y = qmoe.moe_unpermute(_work(out, pp), rid, merge, pad_offsets=pad_offsets)
     g = torch.randn_like(y)
     (y * g).sum().backward()

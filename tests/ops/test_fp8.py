@@ -6,7 +6,7 @@ import torch
 
 import qmoe
 from qmoe.ops import reference as R
-from tests.ops.helpers import assert_bf16_merge, routing
+from tests.ops.helpers import assert_bf16_merge, last_routed_row, routing
 from tests.tensors.helpers import RECIPES, assert_same_bits
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -62,7 +62,8 @@ def test_pad_variant_zero_padding(name):
     q = qmoe.quantize(torch.randn(t, h, device=DEV), FP8_RECIPES[name])
     probs = torch.rand(t, e, device=DEV)
     padded = int(((mask.sum(0) + 15) // 16 * 16).sum())
-    for bound in (None, padded + 7, padded - 5):  # both forms: spare rows, dropped routes
+    drop = last_routed_row(mask, 16) - 2  # drops the last expert's last routes
+    for bound in (None, padded + 7, drop):  # both forms: spare rows, dropped routes
         with qmoe.strict_dispatch():
             out, pp, rid, po, target = qmoe.moe_permute_and_pad_with_probs(
                 q, probs, mask, None, 16, num_out_tokens=bound)
@@ -74,6 +75,8 @@ def test_pad_variant_zero_padding(name):
                 real[int(rid[tok, j])] = True
         deq = out.dequantize(torch.float32).cpu()
         assert torch.equal(deq[~real], torch.zeros_like(deq[~real]))  # pads: exact zeros
+        if bound == drop:
+            assert int(rid[:, 2 * s].sum()) < int(mask.sum())  # routes were dropped
 
 
 @pytest.mark.parametrize("name", list(FP8_RECIPES))
