@@ -47,7 +47,8 @@ def test_permute_moves_qdata_and_scales(name, map_type, t, h, e, k, kind, extra)
         out2, pp, _ = qmoe.moe_permute_with_probs(q, probs, rm, n, map_type=map_type)
     _check_moved(out, q, rm, map_type, n)
     _check_moved(out2, q, rm, map_type, n)
-    assert pp.shape == (n,)
+    _, rpp, _ = R.permute(torch.zeros(t, 1), rm.cpu(), map_type, n, probs.cpu())
+    assert_same_bits(pp.cpu(), rpp)  # the probs move with the quantized rows
     # Unpermute of the quantized rows: high precision, against fp64 of the dequantized rows.
     w = torch.rand(t, rm.shape[1], device=DEV)
     y = qmoe.moe_unpermute(out, rid, w, map_type=map_type)
