@@ -94,3 +94,19 @@ def interpreter_asserts(monkeypatch):
 @pytest.fixture
 def device():
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture
+def poisoned_empty():
+    """``torch.empty`` / ``new_empty`` fill with NaN (floats) and the largest value
+    (integers) for the test (torch's deterministic mode with ``fill_uninitialized_memory``;
+    warn-only, so no op refuses): an output a launcher allocates and a kernel leaves
+    unwritten shows, instead of passing on whatever the allocator held."""
+    was = (torch.are_deterministic_algorithms_enabled(),
+           torch.is_deterministic_algorithms_warn_only_enabled(),
+           torch.utils.deterministic.fill_uninitialized_memory)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    yield
+    torch.use_deterministic_algorithms(was[0], warn_only=was[1])
+    torch.utils.deterministic.fill_uninitialized_memory = was[2]

@@ -31,10 +31,10 @@ def _want(x, ids, n, probs, side):
 
 
 @pytest.mark.parametrize("t,h,e,k,kind", CASES)
-def test_kernel_matches_sorting_path(kdevice, t, h, e, k, kind):
+def test_kernel_matches_sorting_path(kdevice, poisoned_empty, t, h, e, k, kind):
     """Rows, map, probs and side rows equal the sorting path with N at, below and above
     the routed count, over several count blocks (blocks of 16, 4 and 1 tokens), int64 and
-    int32 ids, strided inputs."""
+    int32 ids, strided inputs; every output the launcher allocates starts poisoned."""
     ids, _ = routing(t, e, k, kind, kdevice)
     routed = int((ids >= 0).sum())
     x = torch.randn(t, h + 3, device=kdevice)[:, :h]  # a row stride past H

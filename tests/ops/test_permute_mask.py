@@ -32,7 +32,8 @@ def _want(x, mask, n, align, probs, side):
 @pytest.mark.parametrize("t,h,e,k,kind", CASES)
 @pytest.mark.parametrize("align", [1, 16])
 @pytest.mark.parametrize("one_launch", [False, True], ids=["counts_scan", "one_launch"])
-def test_kernel_matches_two_step_path(kdevice, t, h, e, k, kind, align, one_launch):
+def test_kernel_matches_two_step_path(kdevice, poisoned_empty, t, h, e, k, kind, align,
+                                      one_launch):
     """Every token program builds its own map row: rows, map, probs and side rows equal
     the separate map + scatter, with N at, below and above the (padded) routed count."""
     if one_launch and t * next_pow2(e) > SMALL_MAP_BYTES:
