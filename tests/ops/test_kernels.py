@@ -99,7 +99,7 @@ def test_merge_in_column_tiles(kdevice, h):
     (5, 4100, 16, 7, "random", 3),  # 4 routes a step (H >= 4096, 16 columns)
 ])
 @pytest.mark.parametrize("map_type", ["mask", "index"])
-def test_merge_backward_one_pass(kdevice, t, h, e, k, kind, extra, map_type):
+def test_merge_backward_one_pass(kdevice, poisoned_empty, t, h, e, k, kind, extra, map_type):
     """Both gradients of the weighted merge in one kernel (``merge_backward_triton``):
     grad_inp bit-exact against the torch scatter of ``grad * weight`` (rows no token
     reads zero, into poison), the weights' gradient against fp64 dot products (exact zeros
@@ -295,7 +295,7 @@ def test_fp8_merge_tiles():
     "pertensor-e4m3", "pertensor-e5m2", "blockwise-e4m3", "blockwise-e5m2", "mx-e4m3", "mx-e5m2",
 ])
 @pytest.mark.parametrize("h", [17, 300, 1100])  # 1100: 1024-column tiles, evict-first
-def test_unpermute_fp8_kernel_dequantizes_in_place(kdevice, recipe, h):
+def test_unpermute_fp8_kernel_dequantizes_in_place(kdevice, poisoned_empty, recipe, h):
     import qmoe
     from qmoe.ops.fp8 import _bits, _layout
     from tests.tensors.helpers import RECIPES
