@@ -207,6 +207,7 @@ def quantize_cases(name, mask, n, copy_bw, tiles, warps, reg_routes,
     t, h = mask.shape[0], CONFIGS[name][1]
     xb = torch.randn(t, h, dtype=torch.bfloat16, device="cuda")
     mx = block == 32
+    recipe = "mx" if mx else "blockwise"
     args = (block, torch.float8_e4m3fn, "mx_floor" if mx else "amax", None)
     nbytes = (t * h * 2 + n * (h + -(-h // block) * (1 if mx else 4)) + mask.numel()
               + rid_bytes(mask))
@@ -225,11 +226,9 @@ def quantize_cases(name, mask, n, copy_bw, tiles, warps, reg_routes,
     for case, fn in cases.items():
         ms = graph_median_ms(fn)
         pct = 100 * nbytes / (ms * 1e-3) / 1e9 / copy_bw
-        rows.append({"config": name, "rows": f"bf16->fp8 {'mx' if mx else 'blockwise'}",
-                     "case": case,
+        rows.append({"config": name, "rows": f"bf16->fp8 {recipe}", "case": case,
                      "graph_ms": round(ms, 4), "pct_copy_bw": round(pct, 1)})
-        print(f"{name:>9} {'mx' if mx else 'blockwise'} {case:>36}: {ms:8.4f} ms {pct:5.1f}%",
-              file=sys.stderr)
+        print(f"{name:>9} {recipe} {case:>36}: {ms:8.4f} ms {pct:5.1f}%", file=sys.stderr)
     return rows
 
 

@@ -321,8 +321,8 @@ def quantize(
     Returns a :class:`Float8Tensor` (``PerTensor``), :class:`Float8BlockwiseTensor`
     (``Blockwise``) or :class:`MXFP8Tensor` (``MXFP8``) whose ``orig_dtype`` is
     ``x.dtype``. ``scale`` (``PerTensor`` only): a caller-given one-element scale (any
-    shape), e.g. from delayed scaling, which skips the amax pass. No host sync. Differentiable: the
-    backward passes the gradient straight through to ``x``.
+    shape), e.g. from delayed scaling, which skips the amax pass. No host sync.
+    Differentiable: the backward passes the gradient straight through to ``x``.
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"quantize: x must be a torch.Tensor, got {type(x).__name__}")

@@ -45,19 +45,24 @@ def map_then_permute(x, routing_map, n, is_index, align, probs=None, side=None):
     return out, pp, so, rid
 
 
+def _assert_merge_bound(got, ref, mag, out_eps):
+    """``|got - ref| <= out_eps * |ref| + 2**-20 * mag``: fp32 accumulation (2**-20 of the
+    sum of |terms| ``mag``, enough for 16 routes) plus one rounding to the output dtype
+    (``out_eps``: half an ulp, relative: 2**-24 fp32, 2**-11 fp16, 2**-8 bf16)."""
+    err = (got.double().cpu() - ref).abs()
+    assert (err <= out_eps * ref.abs() + 2.0**-20 * mag).all(), float(err.max())
+
 
 def assert_bf16_merge(y, rows, routing_map, map_type, w, n=None):
-    """``y`` (a bf16 merge of ``rows`` [N, H] by ``w``) against the fp64 reference: fp32
-    accumulation (at most 2**-20 of the sum of |terms| for up to 16 routes), then one
-    rounding to bf16 (half an ulp, 2**-8 relative). A merge accumulated in bf16 fails it."""
+    """``y`` (a bf16 merge of ``rows`` [N, H] by ``w``) against the fp64 reference
+    (``R.unpermute``) within ``_assert_merge_bound``. A merge accumulated in bf16 fails."""
     from qmoe.ops import reference as R
 
     rows, rm = rows.double().cpu(), routing_map.cpu()
     w = None if w is None else w.double().cpu()
     ref = R.unpermute(rows, rm, map_type, w, n)
     mag = R.unpermute(rows.abs(), rm, map_type, None if w is None else w.abs(), n)
-    err = (y.double().cpu() - ref).abs()
-    assert (err <= 2**-8 * ref.abs() + 2**-20 * mag).all(), float(err.max())
+    _assert_merge_bound(y, ref, mag, 2.0**-8)
 
 
 def merge_fp64(rows, rid, w=None):
@@ -75,13 +80,10 @@ def merge_fp64(rows, rid, w=None):
 
 
 def assert_merge_close(got, rows, rid, w=None, out_eps=2.0**-24):
-    """``got`` against ``merge_fp64``: fp32 accumulation (2**-20 of the sum of |terms|,
-    enough for 16 routes) plus one rounding to the output dtype (``out_eps``: half an ulp,
-    relative: 2**-24 fp32, 2**-11 fp16, 2**-8 bf16)."""
+    """``got`` against ``merge_fp64`` within ``_assert_merge_bound``."""
     ref = merge_fp64(rows, rid, w)
     mag = merge_fp64(rows.abs(), rid, None if w is None else w.abs())
-    err = (got.double().cpu() - ref).abs()
-    assert (err <= out_eps * ref.abs() + 2.0**-20 * mag).all(), float(err.max())
+    _assert_merge_bound(got, ref, mag, out_eps)
 
 
 def last_routed_row(mask, align):
