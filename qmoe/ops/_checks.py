@@ -177,18 +177,3 @@ def check_values(fn: str, cond: torch.Tensor, msg: str) -> None:
             raise ValueError(f"{fn}: {msg}")
     else:
         torch._assert_async(cond, f"{fn}: {msg}")
-
-
-def check_index_ids(fn: str, routing_map: torch.Tensor, num_experts: int | None) -> None:
-    """Sync-free form of the id checks of an index map (one ``aminmax`` and an async assert
-    on CUDA): ids in ``[-1, num_experts)``, or below ``ID_LIMIT`` without ``num_experts``.
-    The extremes compare in int64: in the map's own dtype (int8, int16) the bounds would
-    wrap."""
-    if routing_map.numel() == 0:
-        return
-    lo, hi = torch.aminmax(routing_map)
-    lo, hi = lo.long(), hi.long()
-    bound = num_experts if num_experts is not None else ID_LIMIT
-    what = f"num_experts={num_experts}" if num_experts is not None else (
-        f"{ID_LIMIT} (renumber the experts to [0, E))")
-    check_values(fn, (lo >= -1) & (hi < bound), f"routing_map ids must be >= -1 and < {what}")
