@@ -99,7 +99,8 @@ def two_step(x, mask, n, side=None, side_out=None):
 
 def run_config(name: str, copy_bw: float, block_ts, warps, tokens=(1,), quant_tiles=(),
                quant_block=128, reg_routes=(None,), block_hs=(), ceiling=False, chain=1,
-               kinds=("bf16", "fp8"), pdls=(None,), index=False) -> list[dict]:
+               kinds=("bf16", "fp8"), pdls=(None,), index=False,
+               quant_steps=(1,)) -> list[dict]:
     t, h, e, k = CONFIGS[name]
     n = t * k
     ids = torch.rand(t, e, device="cuda").argsort(dim=1)[:, :k]
@@ -110,7 +111,7 @@ def run_config(name: str, copy_bw: float, block_ts, warps, tokens=(1,), quant_ti
                          block_hs, ceiling, chain, pdls, ids if index else None)
     if quant_tiles:
         rows += quantize_cases(name, mask, n, copy_bw, quant_tiles, warps, reg_routes, pdls,
-                               quant_block)
+                               quant_block, quant_steps)
     return rows
 
 
@@ -198,12 +199,12 @@ def map_then_quantize(xb, mask, n, args, **tiling):
 
 
 def quantize_cases(name, mask, n, copy_bw, tiles, warps, reg_routes,
-                   pdls=(None,), block=128) -> list[dict]:
+                   pdls=(None,), block=128, steps=(1,)) -> list[dict]:
     """The fused blockwise quantize-permute of a mask: the map built first, then the
     map-reading kernel (the ops' path for N < 6T), against the kernel that builds the map
-    rows itself (N >= 6T), each per row tile (elements a program) x warps, and the
-    map-reading kernel at its default tiling. ``block`` 128: blockwise (fp32 scales), 32:
-    MXFP8 (e8m0 scales). Bytes: bf16 rows in, fp8 rows and their scales out."""
+    rows itself (N >= 6T), each per row tile (elements a step) x steps a program (0: the
+    whole row) x warps, and both kernels at their default tiling. ``block`` 128: blockwise
+    (fp32 scales), 32: MXFP8 (e8m0 scales). Bytes: bf16 rows in, fp8 rows and their scales out."""
     t, h = mask.shape[0], CONFIGS[name][1]
     xb = torch.randn(t, h, dtype=torch.bfloat16, device="cuda")
     mx = block == 32
@@ -211,17 +212,19 @@ def quantize_cases(name, mask, n, copy_bw, tiles, warps, reg_routes,
     args = (block, torch.float8_e4m3fn, "mx_floor" if mx else "amax", None)
     nbytes = (t * h * 2 + n * (h + -(-h // block) * (1 if mx else 4)) + mask.numel()
               + rid_bytes(mask))
-    cases = {"quantize: map then fused": lambda: map_then_quantize(xb, mask, n, args)}
-    for tile in tiles:
-        for nw in warps:
-            cases[f"quantize: map then fused tile={tile} warps={nw}"] = (
-                lambda tile=tile, nw=nw: map_then_quantize(xb, mask, n, args, tile=tile,
-                                                           num_warps=nw))
-            for rr, pdl in itertools.product(reg_routes, pdls):
-                cases[f"quantize: mask fused tile={tile} warps={nw} reg={rr} pdl={pdl}"] = (
-                    lambda tile=tile, nw=nw, rr=rr, pdl=pdl: quantize_permute_mask_triton(
-                        xb, mask, n, 1, None, *args, tile=tile, num_warps=nw, reg_routes=rr,
-                        pdl=pdl))
+    cases = {"quantize: map then fused": lambda: map_then_quantize(xb, mask, n, args),
+             "quantize: mask fused": lambda: quantize_permute_mask_triton(xb, mask, n, 1, None,
+                                                                          *args)}
+    for tile, st, nw in itertools.product(tiles, steps, warps):
+        cases[f"quantize: map then fused tile={tile} steps={st} warps={nw}"] = (
+            lambda tile=tile, st=st, nw=nw: map_then_quantize(xb, mask, n, args, tile=tile,
+                                                              steps=st, num_warps=nw))
+        for rr, pdl in itertools.product(reg_routes, pdls):
+            cases[f"quantize: mask fused tile={tile} steps={st} warps={nw} reg={rr} "
+                  f"pdl={pdl}"] = (
+                lambda tile=tile, st=st, nw=nw, rr=rr, pdl=pdl: quantize_permute_mask_triton(
+                    xb, mask, n, 1, None, *args, tile=tile, steps=st, num_warps=nw,
+                    reg_routes=rr, pdl=pdl))
     rows = []
     for case, fn in cases.items():
         ms = graph_median_ms(fn)
@@ -245,6 +248,8 @@ def main() -> None:
     p.add_argument("--quant-tiles", default="",
                    help="also the fused blockwise quantize-permute of a mask, per row tile "
                         "(elements a program) x warps (bytes: bf16 in, fp8 + scales out)")
+    p.add_argument("--quant-steps", default="1",
+                   help="comma list: the --quant-tiles cases' steps a program (0: whole row)")
     p.add_argument("--quant-block", type=int, default=128, choices=(128, 32),
                    help="the --quant-tiles cases' scale block: 128 blockwise, 32 MXFP8")
     p.add_argument("--block-h", default="", help="comma list: fused cases at these columns "
@@ -277,7 +282,8 @@ def main() -> None:
                                 for v in a.reg_routes.split(",")],
                                [int(v) for v in a.block_h.split(",") if v], a.ceiling, chain,
                                kinds, [None if v == "auto" else bool(int(v))
-                                                   for v in a.pdl.split(",")], a.index)
+                                                   for v in a.pdl.split(",")], a.index,
+                               [int(v) for v in a.quant_steps.split(",")])
         write_json(a.out, {"bench": "sweep_permute_mask", "env": env_info(),
                            "copy_GB/s": round(copy_bw, 1), "results": rows})
 

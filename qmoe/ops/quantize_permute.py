@@ -70,23 +70,31 @@ def _outputs(x, n, block_size, fp8_dtype, scale_mode, scale, probs, poison):
     return q, s_out, pp, bs, nb
 
 
-def _consts(x, fp8_dtype, scale_mode, bs, nb, tile) -> dict:
+def _consts(x, fp8_dtype, scale_mode, bs, nb, tile, steps) -> dict:
     """The quantizing constexprs of the fused kernels, and the column tiling: ``tile`` row
-    elements per program (``sweep_permute.py``: 4096 at H >= 4096, else 1024)."""
+    elements a step (``sweep_permute.py``: 4096 at H >= 4096, else 1024), ``steps`` steps
+    a program (0: the whole row)."""
     if tile is None:
         tile = 4096 if x.shape[1] >= 4096 else 1024
+    groups = max(1, min(tile // bs, next_pow2(nb)))
     e4m3 = fp8_dtype == torch.float8_e4m3fn
     return dict(FP8_MAX=fp8_max(fp8_dtype), EMAX_ELEM=_emax_elem(fp8_dtype), EPS=EPS,
                 SCALE_MODE=3 if scale_mode == "given" else SCALE_MODES[scale_mode],
                 MB=3 if e4m3 else 2, BIAS=7 if e4m3 else 15, HW_CAST=x.is_cuda, BS=bs,
-                GROUPS=max(1, min(tile // bs, next_pow2(nb))))
+                GROUPS=groups, STEPS=steps or cdiv(nb, groups))
+
+
+def _column_programs(nb: int, consts: dict) -> int:
+    """The grid's column programs a row: ``GROUPS * STEPS`` scale blocks each."""
+    return cdiv(nb, consts["GROUPS"] * consts["STEPS"])
 
 
 def quantize_permute_triton(x, rid, probs, n, block_size, fp8_dtype, scale_mode, scale,
-                            fill=None, *, tile=None, kb=4, num_warps=4, poison=False):
+                            fill=None, *, tile=None, steps=1, kb=4, num_warps=4, poison=False):
     """The fused kernel (CUDA, or CPU under TRITON_INTERPRET=1); outputs as the op's.
     ``fill``: as ``permute_rows``'s (zero the unwritten rows in the same launch).
-    ``tile`` (row elements per program), ``kb`` and ``num_warps`` set the kernel's tiling
+    ``tile`` (row elements a step), ``steps`` (steps a program, 0: the whole row), ``kb``
+    and ``num_warps`` set the kernel's tiling
     (``benchmarks/sweep_permute.py`` sweeps them). ``poison`` (tests) fills the outputs
     with 0xFF bytes first, so a row the kernel misses shows."""
     from qmoe.ops._kernels.quantize_permute import quantize_permute_kernel
@@ -103,10 +111,10 @@ def quantize_permute_triton(x, rid, probs, n, block_size, fp8_dtype, scale_mode,
     fill = fill.contiguous() if fill is not None else None
     given, has_p, has_f = scale_mode == "given", probs is not None, fill is not None
     written = fill if has_f else torch.zeros(n, dtype=torch.int8, device=x.device)
-    consts = _consts(x, fp8_dtype, scale_mode, bs, nb, tile)
+    consts = _consts(x, fp8_dtype, scale_mode, bs, nb, tile, steps)
     progs, r, z = scatter_programs(t, n, fill)
     if progs:
-        quantize_permute_kernel[(progs, cdiv(nb, consts["GROUPS"]))](
+        quantize_permute_kernel[(progs, _column_programs(nb, consts))](
             x, q, s_out, rid, probs if has_p else x, pp if has_p else written, written,
             fill if has_f else written, t, n, h, nb, num_slots(rid), r, z, x.stride(0),
             probs.stride(0) if has_p else 0, HAS_P=has_p, HAS_FILL=has_f, KB=kb,
@@ -119,7 +127,8 @@ def quantize_permute_triton(x, rid, probs, n, block_size, fp8_dtype, scale_mode,
 
 def quantize_permute_mask_triton(x, mask, n, align_size, probs, block_size, fp8_dtype,
                                  scale_mode, scale, *, one_launch=None, tiling=None, tile=None,
-                                 kb=4, num_warps=4, reg_routes=None, pdl=None, poison=False):
+                                 steps=1, kb=4, num_warps=4, reg_routes=None, pdl=None,
+                                 poison=False):
     """``(q, scale, permuted_probs, row_id_map)`` of ``x [T, H]`` by ``mask [T, E]`` with
     the map built in the fused launch (CUDA, or CPU under TRITON_INTERPRET=1): as
     ``make_row_id_map`` then ``quantize_permute_triton``, bit for bit. ``one_launch``,
@@ -158,8 +167,8 @@ def quantize_permute_mask_triton(x, mask, n, align_size, probs, block_size, fp8_
     be = next_pow2(e)
     # 4096 row elements a program at every H (the sweep: a token's map work is done once
     # per program, so splitting a row over programs repeats it; 1024 lost 8-16 points)
-    consts = _consts(x, fp8_dtype, scale_mode, bs, nb, tile or 4096)
-    quantize_permute_mask_kernel[(t + ranges + z, cdiv(nb, consts["GROUPS"]))](
+    consts = _consts(x, fp8_dtype, scale_mode, bs, nb, tile or 4096, steps)
+    quantize_permute_mask_kernel[(t + ranges + z, _column_programs(nb, consts))](
         x, q, s_out, m, before, total, rid, probs, pp if has_p else None, t, n, h, nb, e,
         max(align_size, 1), z, x.stride(0), m.stride(0), probs.stride(0) if has_p else None,
         HAS_P=has_p, SMALL=small, BLOCK_T=bt, BLOCK_E=be,

@@ -66,6 +66,34 @@ def test_fused_kernel_zeroes_padding_and_tail(kdevice, recipe):
             assert_same_bits(a.cpu(), b)
 
 
+@pytest.mark.parametrize("recipe,h", [("blockwise-e4m3", 300), ("mx-e5m2", 300),
+                                       ("pertensor-e4m3", 1100)])
+def test_fused_kernels_step_over_columns(kdevice, recipe, h):
+    """Programs that take a row in several steps (``tile`` columns each, ``steps`` a
+    program, 0: the whole row; the last step running past the row): both kernels give the
+    bits of quantize then permute into poisoned outputs, with fill ranges or flags."""
+    r = RECIPES[recipe]
+    t, e = 37, 8
+    _, mask = routing(t, e, 3, "empty_experts", kdevice)
+    n = int(mask.sum()) + 6
+    x = torch.randn(t, h, device=kdevice).to(torch.bfloat16)
+    p = torch.rand(t, e, device=kdevice)
+    rid, fill = torch.ops.qmoe.make_row_id_map(mask, n, False, 1)
+    want = _two_step(x.cpu(), rid.cpu(), p.cpu(), n, *_args(r, x.cpu()))
+    block = 512 if isinstance(r, qmoe.PerTensor) else r.block_size
+    for tile, steps in ((block, 0), (block, 2), (2 * block, 0)):
+        for f in (None, fill):
+            got = quantize_permute_triton(x, rid, p, n, *_args(r, x), f, tile=tile,
+                                          steps=steps, poison=True)
+            for a, b in zip(got, want):
+                assert_same_bits(a.cpu(), b)
+        got = quantize_permute_mask_triton(x, mask, n, 1, p, *_args(r, x), tile=tile,
+                                           steps=steps, poison=True)
+        assert_same_bits(got[3], rid)
+        for a, b in zip(got[:3], want):
+            assert_same_bits(a.cpu(), b)
+
+
 MASK_CASES = [  # (T, H, E, K, kind, align, N relative to the padded routed count)
     (1, 17, 4, 2, "random", 1, 0), (63, 160, 8, 3, "sentinels", 16, 40),
     (40, 300, 16, 4, "empty_experts", 1, -9), (20, 64, 5, 1, "one_expert", 4, 0),
