@@ -73,10 +73,10 @@ def _outputs(x, n, block_size, fp8_dtype, scale_mode, scale, probs, poison):
 def _consts(x, fp8_dtype, scale_mode, bs, nb, tile, steps) -> dict:
     """The quantizing constexprs of the fused kernels, and the column tiling: ``tile`` row
     elements a step (``sweep_permute.py``: 4096 at H >= 4096, else 1024), ``steps`` steps
-    a program (0: the whole row, the default of both launchers: ``sweep_permute_mask.py
-    --quant-steps 1,0`` on an H100, session 17: 62.6 -> 68.0% of copy for the map-reading
-    kernel at gptoss, blockwise, 1024-element steps; 78.2 -> 80.0% for the mask kernel at
-    dsv3, 4096-element steps)."""
+    a program (0: the whole row). Both launchers default to one step a program; the whole
+    row measured faster on an H100 (session 17, docs/benchmarks.md: gptoss map-reading
+    kernel 62.7 -> 66.8% of copy, dsv3 mask kernel 78.5 -> 79.1%) but has not yet run the
+    whole GPU test suite, so it is not the default yet."""
     if tile is None:
         tile = 4096 if x.shape[1] >= 4096 else 1024
     groups = max(1, min(tile // bs, next_pow2(nb)))
@@ -93,7 +93,7 @@ def _column_programs(nb: int, consts: dict) -> int:
 
 
 def quantize_permute_triton(x, rid, probs, n, block_size, fp8_dtype, scale_mode, scale,
-                            fill=None, *, tile=None, steps=0, kb=4, num_warps=4, poison=False):
+                            fill=None, *, tile=None, steps=1, kb=4, num_warps=4, poison=False):
     """The fused kernel (CUDA, or CPU under TRITON_INTERPRET=1); outputs as the op's.
     ``fill``: as ``permute_rows``'s (zero the unwritten rows in the same launch).
     ``tile`` (row elements a step), ``steps`` (steps a program, 0: the whole row), ``kb``
@@ -130,7 +130,7 @@ def quantize_permute_triton(x, rid, probs, n, block_size, fp8_dtype, scale_mode,
 
 def quantize_permute_mask_triton(x, mask, n, align_size, probs, block_size, fp8_dtype,
                                  scale_mode, scale, *, one_launch=None, tiling=None, tile=None,
-                                 steps=0, kb=4, num_warps=4, reg_routes=None, pdl=None,
+                                 steps=1, kb=4, num_warps=4, reg_routes=None, pdl=None,
                                  poison=False):
     """``(q, scale, permuted_probs, row_id_map)`` of ``x [T, H]`` by ``mask [T, E]`` with
     the map built in the fused launch (CUDA, or CPU under TRITON_INTERPRET=1): as
@@ -168,8 +168,8 @@ def quantize_permute_mask_triton(x, mask, n, align_size, probs, block_size, fp8_
     z = tail_programs(n)
     has_p = probs is not None
     be = next_pow2(e)
-    # 4096 row elements a step at every H, the whole row a program (the sweeps: a token's
-    # map work is done once per program, so splitting a row over programs repeats it)
+    # 4096 row elements a step at every H (the sweep: a token's map work is done once per
+    # program, so splitting a row over programs repeats it; 1024 lost 8-16 points)
     consts = _consts(x, fp8_dtype, scale_mode, bs, nb, tile or 4096, steps)
     quantize_permute_mask_kernel[(t + ranges + z, _column_programs(nb, consts))](
         x, q, s_out, m, before, total, rid, probs, pp if has_p else None, t, n, h, nb, e,

@@ -165,6 +165,11 @@ def _launches():
     for bs, mode in ((128, "amax"), (32, "mx_floor")):
         quantize_permute_triton(x7, rid, probs, n, bs, torch.float8_e4m3fn, mode, None, fill)
         quantize_permute_mask_triton(x7, mask, n, 1, probs, bs, torch.float8_e4m3fn, mode, None)
+        for steps in (0, 2):  # a program taking its row in steps (not the default yet)
+            quantize_permute_triton(x7, rid, probs, n, bs, torch.float8_e4m3fn, mode, None,
+                                    fill, steps=steps)
+            quantize_permute_mask_triton(x7, mask, n, 1, probs, bs, torch.float8_e4m3fn, mode,
+                                         None, steps=steps)
     given = torch.tensor(0.01)
     quantize_rows_triton(x, 512, torch.float8_e5m2, "given", given)
     quantize_permute_triton(x, rid, None, n, 0, torch.float8_e5m2, "given", given, fill)

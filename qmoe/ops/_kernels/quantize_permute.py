@@ -6,8 +6,9 @@ STEPS steps per program, R row ranges in ``fill`` (rows no route writes), Z prog
 sharing the last one.
 
 A program takes STEPS chunks of ``GROUPS * BS`` columns of one token's high-precision row
-in turn (the next chunk's load issued before the current one's stores). It reads each
-chunk once, quantizes it with the same code as ``qmoe.quantize`` (``quantize_tile``: one
+in turn. (Issuing chunk i + 1's load before chunk i's stores gave wrong bits on an H100
+with Triton 3.6, blockwise at H = 7168, while the interpreter agreed: session 17.) It reads
+each chunk once, quantizes it with the same code as ``qmoe.quantize`` (``quantize_tile``: one
 scale per block, or a given per-tensor scale) and writes the fp8 bits and the scale blocks
 to every output row of the token's routes; the token's map row is read (or built) once per
 program. fp8 goes through ``uint8`` so the interpreter runs it.
@@ -81,14 +82,12 @@ def quantize_permute_kernel(
         n = tl.minimum(tl.load(mrow + 2 * S), S)
         for i in tl.static_range(STEPS):
             c = pid_g * STEPS + i
-            if i + 1 < STEPS:  # the next chunk's load goes out before this one's stores
-                x_next = load_chunk(x_row, c + 1, H, BS, GROUPS)
+            if i > 0:  # (the first chunk's load went out before the map work)
+                x = load_chunk(x_row, c, H, BS, GROUPS)
             _quantize_scatter_chunk(
                 t, x, c, d0, n, mrow, q_ptr, s_ptr, p_ptr, pp_ptr, written_ptr, N, H,
                 NB, S, stride_p, FP8_MAX, EMAX_ELEM, EPS, SCALE_MODE, MB, BIAS, HW_CAST,
                 HAS_P, not HAS_FILL, KB, BS, GROUPS)
-            if i + 1 < STEPS:
-                x = x_next
 
 
 @triton.jit
@@ -223,8 +222,8 @@ def quantize_permute_mask_kernel(
             n = tl.minimum(tl.load(mrow + 2 * E), E)
         for i in tl.static_range(STEPS):
             c = pid_g * STEPS + i
-            if i + 1 < STEPS:  # the next chunk's load goes out before this one's stores
-                x_next = load_chunk(x_row, c + 1, H, BS, GROUPS)
+            if i > 0:  # (the first chunk's load went out before the map work)
+                x = load_chunk(x_row, c, H, BS, GROUPS)
             if REG_ROUTES:  # the rows come from registers
                 blocks, cols = chunk_at(c, BS, GROUPS)
                 q, stored = quantize_tile(x.to(tl.float32), s_ptr, FP8_MAX, EMAX_ELEM, EPS,
@@ -239,8 +238,6 @@ def quantize_permute_mask_kernel(
                     t, x, c, d0, n, mrow, q_ptr, s_ptr, p_ptr, pp_ptr, None, N, H, NB, E,
                     stride_p, FP8_MAX, EMAX_ELEM, EPS, SCALE_MODE, MB, BIAS, HW_CAST, HAS_P,
                     False, KB, BS, GROUPS)
-            if i + 1 < STEPS:
-                x = x_next
     else:
         if PDL:
             tl.extra.cuda.gdc_wait()
