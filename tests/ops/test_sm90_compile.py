@@ -165,11 +165,11 @@ def _launches():
     for bs, mode in ((128, "amax"), (32, "mx_floor")):
         quantize_permute_triton(x7, rid, probs, n, bs, torch.float8_e4m3fn, mode, None, fill)
         quantize_permute_mask_triton(x7, mask, n, 1, probs, bs, torch.float8_e4m3fn, mode, None)
-        for steps in (0, 2):  # a program taking its row in steps (not the default yet)
+        for tile in (4096, 1024):  # the whole row a program, in 2 or 7 steps (not default)
             quantize_permute_triton(x7, rid, probs, n, bs, torch.float8_e4m3fn, mode, None,
-                                    fill, steps=steps)
+                                    fill, tile=tile, steps=0)
             quantize_permute_mask_triton(x7, mask, n, 1, probs, bs, torch.float8_e4m3fn, mode,
-                                         None, steps=steps)
+                                         None, tile=tile, steps=0)
     given = torch.tensor(0.01)
     quantize_rows_triton(x, 512, torch.float8_e5m2, "given", given)
     quantize_permute_triton(x, rid, None, n, 0, torch.float8_e5m2, "given", given, fill)
