@@ -4,27 +4,26 @@ import pytest
 import torch
 
 import qmoe
+from qmoe.ops import reference as R
 from tests.ops.helpers import last_routed_row, routing
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _routes(rid):
-    """(row, token, column) of every kept route in a map."""
-    s = (rid.shape[1] - 1) // 2
-    rows, toks, cols = [], [], []
-    for tok in range(rid.shape[0]):
-        for j in range(int(rid[tok, 2 * s])):
-            rows.append(int(rid[tok, j]))
-            toks.append(tok)
-            cols.append(int(rid[tok, s + j]))
-    return tuple(torch.tensor(v, dtype=torch.long) for v in (rows, toks, cols))
+def _routes(routing_map, map_type, n, align=1):
+    """(row, token, column) of every route kept in ``n`` output rows, from the reference
+    (``qmoe.ops.reference``: the definitions, not qmoe's row_id_map)."""
+    routes = R.routes_of(routing_map, map_type)
+    _, _, kept = R.permute(torch.zeros(routing_map.shape[0], 1), routing_map.cpu(), map_type,
+                           n, align_size=align)
+    live = [(p, t, col) for (t, _e, col), p in zip(routes, kept) if p >= 0]
+    return tuple(torch.tensor([r[i] for r in live], dtype=torch.long) for i in range(3))
 
 
-def _perm_matrix(rid: torch.Tensor, n: int, t: int) -> torch.Tensor:
-    """Dense [N, T] 0/1 matrix of the permutation the map describes (from the map)."""
+def _perm_matrix(routes, n: int, t: int) -> torch.Tensor:
+    """Dense [N, T] 0/1 matrix of the permutation of ``routes`` (``_routes``)."""
     m = torch.zeros(n, t, dtype=torch.float64)
-    rows, toks, _ = _routes(rid)
+    rows, toks, _ = routes
     m[rows, toks] = 1.0
     return m
 
@@ -35,16 +34,17 @@ def _work(out, pp):
     return out * 2.0 + pp[:, None] + 1.0
 
 
-def _check_against_dense(rid, n, x, probs, merge, g):
+def _check_against_dense(routes, n, x, probs, merge, g):
     """Gradients of ``unpermute(_work(permute_with_probs(x, probs)), merge)`` against the
-    same function built densely in fp64 from the map's permutation matrix."""
+    same function built densely in fp64 from the reference's permutation matrix
+    (``routes``: ``_routes``)."""
     t = x.shape[0]
-    pm = _perm_matrix(rid.cpu(), n, t)
+    pm = _perm_matrix(routes, n, t)
     xd = x.detach().cpu().double().requires_grad_()
     pd = probs.detach().cpu().double().requires_grad_()
     md = merge.detach().cpu().double().requires_grad_()
     col_of_row = torch.full((n,), 0, dtype=torch.long)
-    rows, _, cols = _routes(rid.cpu())
+    rows, _, cols = routes
     col_of_row[rows] = cols
     rows_tok = pm.argmax(1)
     ppd = (pm @ torch.ones(t, dtype=torch.float64)) * pd[rows_tok, col_of_row]
@@ -75,7 +75,7 @@ def test_permute_probs_unpermute_backward(map_type, extra):
     y = qmoe.moe_unpermute(_work(out, pp), rid, merge, map_type=map_type)
     g = torch.randn_like(y)
     (y * g).sum().backward()
-    _check_against_dense(rid, n, x, probs, merge, g)
+    _check_against_dense(_routes(rm, map_type, n), n, x, probs, merge, g)
 
 
 @pytest.mark.parametrize("align", [4, 16])
@@ -99,7 +99,8 @@ def test_pad_variant_backward(align, spare):
     y = qmoe.moe_unpermute(_work(out, pp), rid, merge, pad_offsets=pad_offsets)
     g = torch.randn_like(y)
     (y * g).sum().backward()
-    _check_against_dense(rid, out.shape[0], x, probs, merge, g)
+    n = out.shape[0]
+    _check_against_dense(_routes(mask, "mask", n, align), n, x, probs, merge, g)
 
 
 @pytest.mark.parametrize("probs_dtype", [torch.float32, torch.float64])
@@ -180,7 +181,7 @@ def test_unpermute_double_backward(map_type, weighted):
         return torch.autograd.grad(loss2, leaves)
 
     got = second_order(lambda y, w: qmoe.moe_unpermute(y, rid, w, map_type=map_type), y, w)
-    rows, toks, cols = _routes(rid.cpu())
+    rows, toks, cols = _routes(rm, map_type, n)
 
     def dense(y, w):
         rows_w = y[rows] if w is None else y[rows] * w[toks, cols][:, None]
