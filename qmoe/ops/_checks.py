@@ -177,3 +177,13 @@ def check_values(fn: str, cond: torch.Tensor, msg: str) -> None:
             raise ValueError(f"{fn}: {msg}")
     else:
         torch._assert_async(cond, f"{fn}: {msg}")
+
+
+def check_range(fn: str, values: torch.Tensor, lo: int, hi: int, msg: str) -> None:
+    """``check_values`` that every entry of integer ``values`` is in ``[lo, hi)`` (none:
+    passes), from one ``aminmax``. The extremes compare in int64: in an int8 / int16
+    tensor's own dtype the bounds would wrap (int16(E) = -1 past 32767)."""
+    if values.numel() == 0:
+        return
+    vmin, vmax = torch.aminmax(values)
+    check_values(fn, (vmin.long() >= lo) & (vmax.long() < hi), msg)

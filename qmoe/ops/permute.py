@@ -107,16 +107,11 @@ def _routed_count(fn, routing_map, map_type, num_experts, align_size) -> tuple[i
 
 
 def _check_index_ids(fn, routing_map, num_experts) -> None:
-    """Sync-free form of the id checks (one ``aminmax`` and an async assert on CUDA). The
-    extremes compare in int64: in the map's own dtype (int8, int16) the bounds would wrap."""
-    if routing_map.numel() == 0:
-        return
-    lo, hi = torch.aminmax(routing_map)
-    lo, hi = lo.long(), hi.long()
+    """Sync-free form of the id checks (one ``aminmax`` and an async assert on CUDA)."""
     bound = num_experts if num_experts is not None else C.ID_LIMIT
     what = f"num_experts={num_experts}" if num_experts is not None else (
         f"{C.ID_LIMIT} (renumber the experts to [0, E))")
-    C.check_values(fn, (lo >= -1) & (hi < bound), f"routing_map ids must be >= -1 and < {what}")
+    C.check_range(fn, routing_map, -1, bound, f"routing_map ids must be >= -1 and < {what}")
 
 
 def _out_rows(fn, inp, routing_map, map_type, num_out_tokens, num_experts, align_size=1):

@@ -126,12 +126,10 @@ def _permute_index(inp, routing_map, probs, side, num_out_tokens, num_experts):
     steps after a check of the ids."""
     if inp.is_cuda and fused_index_wins(*routing_map.shape, num_experts):
         return permute_index_triton(inp, routing_map, num_out_tokens, num_experts, probs, side)
-    if routing_map.numel() and not inp.is_cuda:  # the kernel's assert, as a ValueError
-        lo, hi = torch.aminmax(routing_map)
-        lo, hi = lo.long(), hi.long()  # int64: E would wrap in an int16 map's dtype
-        C.check_values("qmoe::permute_index", (lo >= -1) & (hi < num_experts),
-                       f"routing_map ids must be in [-1, num_experts={num_experts}); check "
-                       "the router's output")
+    if not inp.is_cuda:  # the kernel's assert, as a ValueError
+        C.check_range("qmoe::permute_index", routing_map, -1, num_experts,
+                      f"routing_map ids must be in [-1, num_experts={num_experts}); check "
+                      "the router's output")
     return map_then_permute(inp, routing_map, probs, side, num_out_tokens, True, 1)
 
 

@@ -324,9 +324,7 @@ def _check(fn, inp, split_sizes, sorted_index, probs):
         # each size <= T first: the sum of huge sizes would wrap in int64
         C.check_values(fn, (hi <= inp.shape[0]) & (split_sizes.sum() <= inp.shape[0]),
                        "split_sizes must sum to at most T, the rows of inp")
-        lo, hi = torch.aminmax(sorted_index)
-        lo, hi = lo.long(), hi.long()
-        C.check_values(fn, (lo >= 0) & (hi < c), f"sorted_index entries must be in [0, {c})")
+        C.check_range(fn, sorted_index, 0, c, f"sorted_index entries must be in [0, {c})")
         ar = torch.arange(c, device=sorted_index.device)
         C.check_values(fn, (torch.sort(sorted_index).values == ar).all(),
                        f"sorted_index must be a permutation of 0..{c - 1} (each chunk once)")
