@@ -247,7 +247,8 @@ def main() -> None:
                         "read the stored map row back (0); auto: the launcher's choice")
     p.add_argument("--quant-tiles", default="",
                    help="also the fused blockwise quantize-permute of a mask, per row tile "
-                        "(elements a program) x warps (bytes: bf16 in, fp8 + scales out)")
+                        "(elements a step) x --quant-steps x warps (bytes: bf16 in, fp8 + "
+                        "scales out)")
     p.add_argument("--quant-steps", default="1",
                    help="comma list: the --quant-tiles cases' steps a program (0: whole row)")
     p.add_argument("--quant-block", type=int, default=128, choices=(128, 32),

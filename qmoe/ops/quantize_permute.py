@@ -97,9 +97,9 @@ def quantize_permute_triton(x, rid, probs, n, block_size, fp8_dtype, scale_mode,
     """The fused kernel (CUDA, or CPU under TRITON_INTERPRET=1); outputs as the op's.
     ``fill``: as ``permute_rows``'s (zero the unwritten rows in the same launch).
     ``tile`` (row elements a step), ``steps`` (steps a program, 0: the whole row), ``kb``
-    and ``num_warps`` set the kernel's tiling
-    (``benchmarks/sweep_permute.py`` sweeps them). ``poison`` (tests) fills the outputs
-    with 0xFF bytes first, so a row the kernel misses shows."""
+    and ``num_warps`` set the kernel's tiling (``benchmarks/sweep_permute.py`` sweeps
+    tiles and warps, ``sweep_permute_mask.py --quant-steps`` the steps). ``poison``
+    (tests) fills the outputs with 0xFF bytes first, so a row the kernel misses shows."""
     from qmoe.ops._kernels.quantize_permute import quantize_permute_kernel
     from qmoe.ops.backend import scatter_programs, zero_unwritten_rows
 

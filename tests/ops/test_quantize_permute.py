@@ -1,5 +1,7 @@
 """Fused quantize-and-permute: bit for bit ``moe_permute(qmoe.quantize(x, recipe))``."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -42,8 +44,12 @@ def test_fused_kernel_matches_two_steps(kdevice, recipe, t, h, e, k, kind, extra
             rid, fill = torch.ops.qmoe.make_row_id_map(rm, n, is_index, 1)
             p = probs if not is_index else probs[:, :k].double()  # fp64 probs too
             want = _two_step(x.cpu(), rid.cpu(), p.cpu(), n, *_args(r, x.cpu()))
-            for f in (None, fill):  # rows no route writes: flagged pass, or zeroed in-launch
-                got = quantize_permute_triton(x, rid, p, n, *_args(r, x), f, poison=True)
+            # rows no route writes: flagged pass, or zeroed in-launch; on CUDA the wide rows
+            # also in one program (steps=0: a form that gave wrong bits once, session 17)
+            for f, steps in itertools.product(
+                    (None, fill), (1, 0) if kdevice == "cuda" and h >= 4096 else (1,)):
+                got = quantize_permute_triton(x, rid, p, n, *_args(r, x), f, steps=steps,
+                                              poison=True)
                 for a, b in zip(got, want):
                     assert_same_bits(a.cpu(), b)
 
@@ -71,27 +77,31 @@ def test_fused_kernel_zeroes_padding_and_tail(kdevice, recipe):
 def test_fused_kernels_step_over_columns(kdevice, recipe, h):
     """Programs that take a row in several steps (``tile`` columns each, ``steps`` a
     program, 0: the whole row; the last step running past the row): both kernels give the
-    bits of quantize then permute into poisoned outputs, with fill ranges or flags."""
+    bits of quantize then permute into poisoned outputs, with fill ranges or flags, a
+    padded map, routes from registers or read back, two routes an iteration (K = 3)."""
     r = RECIPES[recipe]
     t, e = 37, 8
     _, mask = routing(t, e, 3, "empty_experts", kdevice)
-    n = int(mask.sum()) + 6
-    x = torch.randn(t, h, device=kdevice).to(torch.bfloat16)
+    x = (torch.randn(t, h, device=kdevice) * torch.logspace(-2, 2, h, device=kdevice)).to(
+        torch.bfloat16)
     p = torch.rand(t, e, device=kdevice)
-    rid, fill = torch.ops.qmoe.make_row_id_map(mask, n, False, 1)
-    want = _two_step(x.cpu(), rid.cpu(), p.cpu(), n, *_args(r, x.cpu()))
     block = 512 if isinstance(r, qmoe.PerTensor) else r.block_size
-    for tile, steps in ((block, 0), (block, 2), (2 * block, 0)):
-        for f in (None, fill):
-            got = quantize_permute_triton(x, rid, p, n, *_args(r, x), f, tile=tile,
-                                          steps=steps, poison=True)
-            for a, b in zip(got, want):
+    for align in (1, 4):
+        n = int(((mask.sum(0) + align - 1) // align * align).sum()) + 6
+        rid, fill = torch.ops.qmoe.make_row_id_map(mask, n, False, align)
+        want = _two_step(x.cpu(), rid.cpu(), p.cpu(), n, *_args(r, x.cpu()))
+        for tile, steps in ((block, 0), (block, 2), (2 * block, 0)):
+            for f in (None, fill) if align == 1 else (fill,):
+                got = quantize_permute_triton(x, rid, p, n, *_args(r, x), f, tile=tile,
+                                              steps=steps, kb=2, poison=True)
+                for a, b in zip(got, want):
+                    assert_same_bits(a.cpu(), b)
+            got = quantize_permute_mask_triton(x, mask, n, align, p, *_args(r, x), tile=tile,
+                                               steps=steps, kb=2, reg_routes=align == 1,
+                                               poison=True)
+            assert_same_bits(got[3], rid)
+            for a, b in zip(got[:3], want):
                 assert_same_bits(a.cpu(), b)
-        got = quantize_permute_mask_triton(x, mask, n, 1, p, *_args(r, x), tile=tile,
-                                           steps=steps, poison=True)
-        assert_same_bits(got[3], rid)
-        for a, b in zip(got[:3], want):
-            assert_same_bits(a.cpu(), b)
 
 
 MASK_CASES = [  # (T, H, E, K, kind, align, N relative to the padded routed count)

@@ -115,12 +115,12 @@ def _quantize_scatter_chunk(
 ):
     """Token t's chunk ``c``, ``x`` ``(1, GROUPS, BS)`` (loaded by the caller), quantized
     and stored at the rows of its map row ``mrow`` (``d0``: its first KB slots, ``n``: its
-    route count; FLAGS: mark the rows in ``written``)."""
+    route count; FLAGS: mark the rows in ``written``, on chunk 0 only)."""
     blocks, cols = chunk_at(c, BS, GROUPS)
     q, stored = quantize_tile(x.to(tl.float32), s_ptr, FP8_MAX, EMAX_ELEM, EPS, SCALE_MODE,
                               MB, BIAS, HW_CAST)
     sl0 = tl.arange(0, KB)
-    for s0 in range(0, n, KB):  # KB routes per step, stored together
+    for s0 in range(0, n, KB):  # KB routes an iteration, stored together
         sl = s0 + sl0
         if s0 == 0:
             d = d0
@@ -137,13 +137,13 @@ def _quantize_scatter_chunk(
 
 
 @triton.jit
-def _store_quantized(t, q, stored, d, c, keep, q_ptr, s_ptr, p_ptr, pp_ptr, written_ptr, H, NB,
+def _store_quantized(t, q, stored, d, col, keep, q_ptr, s_ptr, p_ptr, pp_ptr, written_ptr, H, NB,
                      stride_p, blocks, cols, first, SCALE_MODE: tl.constexpr,
                      HAS_P: tl.constexpr, FLAGS: tl.constexpr, KB: tl.constexpr,
                      BS: tl.constexpr, GROUPS: tl.constexpr):
     """Store token t's quantized chunk ``q`` ``(1, GROUPS, BS)`` and its scale blocks
     ``stored`` to the KB rows ``d`` (int64) where ``keep``; if ``first`` (the row's first
-    chunk), also its prob from column ``c`` and (FLAGS) the rows' ``written`` flags."""
+    chunk), also its probs from columns ``col`` and (FLAGS) the rows' ``written`` flags."""
     mask = (cols < H)[None, :, :]  # (1, GROUPS, BS)
     smask = (blocks < NB)[None, :]  # (1, GROUPS)
     tl.store(q_ptr + d[:, None, None] * H + cols[None, :, :],
@@ -155,7 +155,7 @@ def _store_quantized(t, q, stored, d, c, keep, q_ptr, s_ptr, p_ptr, pp_ptr, writ
         if FLAGS:
             tl.store(written_ptr + d, tl.full((KB,), 1, dtype=tl.int8), mask=keep)
         if HAS_P:
-            pv = tl.load(p_ptr + t * stride_p + c, mask=keep, other=0.0)
+            pv = tl.load(p_ptr + t * stride_p + col, mask=keep, other=0.0)
             assert_probs_not_nan(pv)
             tl.store(pp_ptr + d, pv, mask=keep)
 
