@@ -55,6 +55,23 @@ def test_kernel_matches_reference(kdevice, fp8, mode, bs, h, dtype):
 
 
 @pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("mode,bs", [("amax", 128), ("pow2", 128), ("mx_floor", 32)])
+def test_kernel_bf16_subnormal_inputs(kdevice, fp8, mode, bs):
+    """bf16 inputs below 2**-126 (bf16 subnormals), in whole rows and alone in a row's last
+    block, quantize to the reference's bits (the interpreter's own bf16 -> fp32 conversion
+    misreads them; the kernels widen bf16 through its bits there)."""
+    h = 3 * bs + 1  # the last block holds one element
+    x = (torch.randn(6, h) * torch.logspace(-40, -38.5, 6)[:, None]).clamp(-1e-38, 1e-38)
+    x[:, -1] = torch.tensor([2.0**-133, -(2.0**-130), 1e-39, 0.0, 2.0**-127, -3e-40])
+    x = x.to(torch.bfloat16)
+    assert (x.float().abs() < 2.0**-126).all() and (x != 0).sum() > x.numel() // 2
+    q, s = _poisoned_run(x.to(kdevice), bs, fp8, mode)
+    qr, sr = _reference_blocks(x, bs, fp8, mode)
+    assert_same_bits(q.cpu(), qr)
+    assert_same_bits(s.cpu(), sr)
+
+
+@pytest.mark.parametrize("fp8", FP8)
 def test_kernel_fp8_rounding_every_magnitude(kdevice, fp8):
     """Per-tensor path with scale 1: the fp8 cast itself, over normals, subnormals, ties."""
     mags = torch.logspace(-45, 6, 20000)

@@ -117,7 +117,7 @@ def _quantize_scatter_chunk(
     and stored at the rows of its map row ``mrow`` (``d0``: its first KB slots, ``n``: its
     route count; FLAGS: mark the rows in ``written``, on chunk 0 only)."""
     blocks, cols = chunk_at(c, BS, GROUPS)
-    q, stored = quantize_tile(x.to(tl.float32), s_ptr, FP8_MAX, EMAX_ELEM, EPS, SCALE_MODE,
+    q, stored = quantize_tile(x, s_ptr, FP8_MAX, EMAX_ELEM, EPS, SCALE_MODE,
                               MB, BIAS, HW_CAST)
     sl0 = tl.arange(0, KB)
     for s0 in range(0, n, KB):  # KB routes an iteration, stored together
@@ -226,7 +226,7 @@ def quantize_permute_mask_kernel(
                 x = load_chunk(x_row, c, H, BS, GROUPS)
             if REG_ROUTES:  # the rows come from registers
                 blocks, cols = chunk_at(c, BS, GROUPS)
-                q, stored = quantize_tile(x.to(tl.float32), s_ptr, FP8_MAX, EMAX_ELEM, EPS,
+                q, stored = quantize_tile(x, s_ptr, FP8_MAX, EMAX_ELEM, EPS,
                                           SCALE_MODE, MB, BIAS, HW_CAST)
                 for s0 in range(0, n, KB):
                     d, e, keep_k = routes_at(keep, slot, run, s0, n, BLOCK_E, KB)

@@ -56,8 +56,23 @@ def fp32_to_fp8_bits(y, MB: tl.constexpr, BIAS: tl.constexpr, HW_CAST: tl.conste
 
 
 @triton.jit
+def to_fp32(x, HW_CAST: tl.constexpr):
+    """``x`` (fp32 / bf16 / fp16) as fp32, exactly. Without HW_CAST (the interpreter) bf16
+    widens through its bits: the interpreter's own bf16 -> fp32 conversion misreads
+    subnormals (2**-133 -> 0, 1.01e-39 -> 4.41e-39; fp16 and the GPU's conversion are
+    exact)."""
+    if HW_CAST:
+        y = x.to(tl.float32)
+    elif x.dtype.is_bf16():
+        y = (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        y = x.to(tl.float32)
+    return y
+
+
+@triton.jit
 def quantize_tile(
-    x,  # (BLOCK_R, GROUPS, BS) fp32
+    x,  # (BLOCK_R, GROUPS, BS) fp32 / bf16 / fp16 (widened with to_fp32)
     s_ptr,  # () fp32 scale, read only for SCALE_GIVEN
     FP8_MAX: tl.constexpr,
     EMAX_ELEM: tl.constexpr,
@@ -71,6 +86,7 @@ def quantize_tile(
     tile: one scale per ``1 x BS`` block (fp32, or the e8m0 byte for MX; for SCALE_GIVEN
     the given scale, which callers do not store). Shared by the quantize and the fused
     quantize-permute kernels, so both give the same bits."""
+    x = to_fp32(x, HW_CAST)
     if SCALE_MODE == 3:  # SCALE_GIVEN
         scale = tl.load(s_ptr)
         y = tl.math.div_rn(x, scale)
@@ -131,7 +147,7 @@ def quantize_rows_kernel(
     mask = rmask[:, None, None] & (cols < H)[None, :, :]
     rows64 = rows.to(tl.int64)
     x = tl.load(x_ptr + rows64[:, None, None] * stride_xr + cols[None, :, :], mask=mask, other=0.0)
-    q, stored = quantize_tile(x.to(tl.float32), s_ptr, FP8_MAX, EMAX_ELEM, EPS, SCALE_MODE,
+    q, stored = quantize_tile(x, s_ptr, FP8_MAX, EMAX_ELEM, EPS, SCALE_MODE,
                               MB, BIAS, HW_CAST)
     if SCALE_MODE != 3:
         smask = rmask[:, None] & (blocks < NB)[None, :]
