@@ -73,10 +73,10 @@ def _outputs(x, n, block_size, fp8_dtype, scale_mode, scale, probs, poison):
 def _consts(x, fp8_dtype, scale_mode, bs, nb, tile, steps) -> dict:
     """The quantizing constexprs of the fused kernels, and the column tiling: ``tile`` row
     elements a step (``sweep_permute.py``: 4096 at H >= 4096, else 1024), ``steps`` steps
-    a program (0: the whole row). Both launchers default to one step a program; the whole
-    row measured faster on an H100 (session 17, docs/benchmarks.md: gptoss map-reading
-    kernel 62.7 -> 66.8% of copy, dsv3 mask kernel 78.5 -> 79.1%) but has not yet run the
-    whole GPU test suite, so it is not the default yet."""
+    a program (0: the whole row, so a token's map row is read or built once). The
+    launchers' defaults (``steps=None``) follow the H100 sweep of session 17
+    (docs/benchmarks.md): the whole row, except the map-reading kernel at H >= 4096, where
+    one step a program measured faster (dsv3 78.3 vs 76.9% of copy)."""
     if tile is None:
         tile = 4096 if x.shape[1] >= 4096 else 1024
     groups = max(1, min(tile // bs, next_pow2(nb)))
@@ -93,12 +93,14 @@ def _column_programs(nb: int, consts: dict) -> int:
 
 
 def quantize_permute_triton(x, rid, probs, n, block_size, fp8_dtype, scale_mode, scale,
-                            fill=None, *, tile=None, steps=1, kb=4, num_warps=4, poison=False):
+                            fill=None, *, tile=None, steps=None, kb=4, num_warps=4,
+                            poison=False):
     """The fused kernel (CUDA, or CPU under TRITON_INTERPRET=1); outputs as the op's.
     ``fill``: as ``permute_rows``'s (zero the unwritten rows in the same launch).
-    ``tile`` (row elements a step), ``steps`` (steps a program, 0: the whole row), ``kb``
-    and ``num_warps`` set the kernel's tiling (``benchmarks/sweep_permute.py`` sweeps
-    tiles and warps, ``sweep_permute_mask.py --quant-steps`` the steps). ``poison``
+    ``tile`` (row elements a step), ``steps`` (steps a program, 0: the whole row; None:
+    the whole row at H < 4096, else one step), ``kb`` and ``num_warps`` set the kernel's
+    tiling (``benchmarks/sweep_permute.py`` sweeps tiles and warps,
+    ``sweep_permute_mask.py --quant-steps`` the steps). ``poison``
     (tests) fills the outputs with 0xFF bytes first, so a row the kernel misses shows."""
     from qmoe.ops._kernels.quantize_permute import quantize_permute_kernel
     from qmoe.ops.backend import scatter_programs, zero_unwritten_rows
@@ -114,6 +116,7 @@ def quantize_permute_triton(x, rid, probs, n, block_size, fp8_dtype, scale_mode,
     fill = fill.contiguous() if fill is not None else None
     given, has_p, has_f = scale_mode == "given", probs is not None, fill is not None
     written = fill if has_f else torch.zeros(n, dtype=torch.int8, device=x.device)
+    steps = (0 if h < 4096 else 1) if steps is None else steps
     consts = _consts(x, fp8_dtype, scale_mode, bs, nb, tile, steps)
     progs, r, z = scatter_programs(t, n, fill)
     if progs:
@@ -130,13 +133,14 @@ def quantize_permute_triton(x, rid, probs, n, block_size, fp8_dtype, scale_mode,
 
 def quantize_permute_mask_triton(x, mask, n, align_size, probs, block_size, fp8_dtype,
                                  scale_mode, scale, *, one_launch=None, tiling=None, tile=None,
-                                 steps=1, kb=4, num_warps=4, reg_routes=None, pdl=None,
+                                 steps=0, kb=4, num_warps=4, reg_routes=None, pdl=None,
                                  poison=False):
     """``(q, scale, permuted_probs, row_id_map)`` of ``x [T, H]`` by ``mask [T, E]`` with
     the map built in the fused launch (CUDA, or CPU under TRITON_INTERPRET=1): as
     ``make_row_id_map`` then ``quantize_permute_triton``, bit for bit. ``one_launch``,
     ``tiling`` and ``pdl`` as in ``permute_mask_triton``; ``tile`` (row elements a step)
-    defaults to 4096 at every H; the rest as in ``quantize_permute_triton``.
+    defaults to 4096 at every H, ``steps`` to 0 (the whole row); the rest as in
+    ``quantize_permute_triton``.
     No host sync."""
     from qmoe.ops._kernels.quantize_permute import quantize_permute_mask_kernel
     from qmoe.ops.backend import tail_programs
