@@ -111,7 +111,7 @@ def run_config(name: str, copy_bw: float, block_ts, warps, tokens=(1,), quant_ti
                          block_hs, ceiling, chain, pdls, ids if index else None)
     if quant_tiles:
         rows += quantize_cases(name, mask, n, copy_bw, quant_tiles, warps, reg_routes, pdls,
-                               quant_block, quant_steps)
+                               quant_block, quant_steps, ceiling)
     return rows
 
 
@@ -199,12 +199,14 @@ def map_then_quantize(xb, mask, n, args, **tiling):
 
 
 def quantize_cases(name, mask, n, copy_bw, tiles, warps, reg_routes,
-                   pdls=(None,), block=128, steps=(1,)) -> list[dict]:
+                   pdls=(None,), block=128, steps=(1,), ceiling=False) -> list[dict]:
     """The fused blockwise quantize-permute of a mask: the map built first, then the
     map-reading kernel (the ops' path for N < 6T), against the kernel that builds the map
     rows itself (N >= 6T), each per row tile (elements a step) x steps a program (0: the
     whole row) x warps, and both kernels at their default tiling. ``block`` 128: blockwise
-    (fp32 scales), 32: MXFP8 (e8m0 scales). Bytes: bf16 rows in, fp8 rows and their scales out."""
+    (fp32 scales), 32: MXFP8 (e8m0 scales). Bytes: bf16 rows in, fp8 rows and their scales out.
+    ``ceiling``: also those bytes with no map and no quantizing: a same-bytes copy, and each
+    bf16 row written K times as bytes (its scale row beside it) to rows in a random order."""
     t, h = mask.shape[0], CONFIGS[name][1]
     xb = torch.randn(t, h, dtype=torch.bfloat16, device="cuda")
     mx = block == 32
@@ -215,6 +217,15 @@ def quantize_cases(name, mask, n, copy_bw, tiles, warps, reg_routes,
     cases = {"quantize: map then fused": lambda: map_then_quantize(xb, mask, n, args),
              "quantize: mask fused": lambda: quantize_permute_mask_triton(xb, mask, n, 1, None,
                                                                           *args)}
+    if ceiling:
+        nb = -(-h // block)
+        side = torch.rand(t, nb, device="cuda").to(torch.uint8 if mx else torch.float32)
+        out, so = xb.new_empty(n, h, dtype=torch.uint8), side.new_empty(n, nb)
+        rnd = torch.randperm(n, device="cuda").view(t, n // t)
+        buf = torch.empty(2, nbytes // 2, dtype=torch.uint8, device="cuda")
+        cases["ceiling: same-bytes copy"] = lambda: buf[1].copy_(buf[0])
+        cases["ceiling: K copies to random rows, bf16 in, bytes out"] = (
+            lambda: broadcast(xb, rnd, out, side, so))
     for tile, st, nw in itertools.product(tiles, steps, warps):
         cases[f"quantize: map then fused tile={tile} steps={st} warps={nw}"] = (
             lambda tile=tile, st=st, nw=nw: map_then_quantize(xb, mask, n, args, tile=tile,
