@@ -22,6 +22,8 @@ from qmoe.ops.row_id_map import num_slots
 from qmoe.tensors.quantize import (
     EPS,
     SCALE_MODES,
+    _check_block_args,
+    _check_dtypes,
     _emax_elem,
     _plain,
     _scale_mode,
@@ -35,6 +37,23 @@ ops = torch.ops.qmoe
 
 def _nb(h: int, block_size: int) -> int:
     return -(-h // block_size)
+
+
+def _check_args(op, x, block_size, fp8_dtype, scale_mode, scale) -> None:
+    """The direct ops' quantizing arguments (the public functions build them from a checked
+    recipe), in the real ops and their fakes alike."""
+    if x.dim() != 2:
+        raise ValueError(f"qmoe::{op}: x must be 2-D [T, H], got shape {tuple(x.shape)}")
+    if scale_mode != "given":
+        _check_block_args(x, block_size, fp8_dtype, scale_mode, op)
+        if scale is not None:
+            raise ValueError(f"qmoe::{op}: scale is only taken with scale_mode='given', got "
+                             f"scale_mode={scale_mode!r}; drop scale")
+        return
+    _check_dtypes(op, x, fp8_dtype)
+    if scale is None or scale.numel() != 1:
+        raise ValueError(f"qmoe::{op}: scale_mode='given' needs a one-element scale tensor, "
+                         f"got {None if scale is None else tuple(scale.shape)}")
 
 
 def _two_step(x, rid, probs, n, block_size, fp8_dtype, scale_mode, scale):
@@ -195,7 +214,10 @@ def _quantize_permute(x, row_id_map, probs, num_out_tokens, block_size, fp8_dtyp
                       scale_mode, scale, fill=None):
     """``(qdata [N, H] fp8, scale [N, NB] fp32 / uint8 e8m0 bits, or [] given,
     permuted_probs [N] or empty)``. ``fill``: the map's unwritten row ranges, or None.
-    No host sync."""
+    Autograd: ``permuted_probs`` to ``probs``; the fp8 bits and scales are not
+    differentiable (``moe_permute(..., quantize=)`` passes the gradient to ``x`` straight
+    through, in high precision). No host sync."""
+    _check_args("quantize_permute", x, block_size, fp8_dtype, scale_mode, scale)
     if x.is_cuda:
         return quantize_permute_triton(x, row_id_map, probs, num_out_tokens, block_size,
                                        fp8_dtype, scale_mode, scale, fill)
@@ -206,6 +228,7 @@ def _quantize_permute(x, row_id_map, probs, num_out_tokens, block_size, fp8_dtyp
 @_quantize_permute.register_fake
 def _(x, row_id_map, probs, num_out_tokens, block_size, fp8_dtype, scale_mode, scale,
       fill=None):
+    _check_args("quantize_permute", x, block_size, fp8_dtype, scale_mode, scale)
     n, h = num_out_tokens, x.shape[1]
     q = x.new_empty((n, h), dtype=fp8_dtype)
     if scale_mode == "given":
@@ -227,7 +250,9 @@ def _quantize_permute_mask(x, routing_map, probs, num_out_tokens, align_size, bl
     """``quantize_permute``'s outputs and the ``row_id_map`` ``[T, 2E+1]`` int32 of the
     ``[T, E]`` mask, each expert's group padded to ``align_size``. On CUDA the map is built
     inside the fused launch (after the per-block count and scan launches, or alone for a
-    small mask); elsewhere ``make_row_id_map`` then ``quantize_permute``. No host sync."""
+    small mask); elsewhere ``make_row_id_map`` then ``quantize_permute``. Autograd as
+    ``quantize_permute``'s. No host sync."""
+    _check_args("quantize_permute_mask", x, block_size, fp8_dtype, scale_mode, scale)
     if x.is_cuda:
         return quantize_permute_mask_triton(x, routing_map, num_out_tokens, align_size, probs,
                                             block_size, fp8_dtype, scale_mode, scale)
@@ -239,10 +264,36 @@ def _quantize_permute_mask(x, routing_map, probs, num_out_tokens, align_size, bl
 @_quantize_permute_mask.register_fake
 def _(x, routing_map, probs, num_out_tokens, align_size, block_size, fp8_dtype, scale_mode,
       scale):
+    _check_args("quantize_permute_mask", x, block_size, fp8_dtype, scale_mode, scale)
     t, e = routing_map.shape
     rid = routing_map.new_empty((t, 2 * e + 1), dtype=torch.int32)
     return (*ops.quantize_permute(x, rid, probs, num_out_tokens, block_size, fp8_dtype,
                                   scale_mode, scale), rid)
+
+
+def _setup(ctx, inputs, output):
+    """Both fused ops: ``probs`` is input 2; the map is input 1 (``quantize_permute``) or
+    output 3 (``quantize_permute_mask``), and it, the bits and the scales take no grad."""
+    probs = inputs[2]
+    rid = output[3] if len(output) == 4 else inputs[1]
+    ctx.mark_non_differentiable(*output[:2], *output[3:])
+    ctx.save_for_backward(rid)
+    ctx.probs_meta = None if probs is None else (tuple(probs.shape), probs.dtype)
+
+
+def _backward(ctx, grad_q, grad_scale, grad_probs, *grad_map):
+    from qmoe.ops.permute import probs_grad
+
+    (rid,) = ctx.saved_tensors
+    gp = None
+    if ctx.probs_meta is not None and grad_probs is not None:
+        (t, p), dtype = ctx.probs_meta
+        gp = probs_grad(rid, grad_probs, t, p, dtype)
+    return None, None, gp, None, None, None, None, None, None  # 9 inputs each
+
+
+_quantize_permute.register_autograd(_backward, setup_context=_setup)
+_quantize_permute_mask.register_autograd(_backward, setup_context=_setup)
 
 
 #: Output rows per token (N / T) from which the fused quantize-permute of a mask builds its

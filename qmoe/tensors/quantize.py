@@ -213,16 +213,16 @@ def _check_dtypes(op: str, x: torch.Tensor, fp8_dtype: torch.dtype) -> None:
                         f"torch.float8_e5m2, got {fp8_dtype}")
 
 
-def _check_block_args(x, block_size, fp8_dtype, scale_mode) -> None:
-    """The direct op's arguments (``qmoe.quantize`` builds them from a checked recipe)."""
-    _check_dtypes("quantize_blocks", x, fp8_dtype)
+def _check_block_args(x, block_size, fp8_dtype, scale_mode, op="quantize_blocks") -> None:
+    """A direct op's block arguments (``qmoe.quantize`` builds them from a checked recipe)."""
+    _check_dtypes(op, x, fp8_dtype)
     if not (isinstance(block_size, int) and 1 <= block_size <= 4096
             and block_size & (block_size - 1) == 0):
-        raise ValueError("qmoe::quantize_blocks: block_size must be a power of two in "
-                         f"[1, 4096], got {block_size!r}")
+        raise ValueError(f"qmoe::{op}: block_size must be a power of two in [1, 4096], got "
+                         f"{block_size!r}")
     if scale_mode not in SCALE_MODES:
-        raise ValueError(f"qmoe::quantize_blocks: scale_mode must be one of "
-                         f"{sorted(SCALE_MODES)}, got {scale_mode!r}")
+        raise ValueError(f"qmoe::{op}: scale_mode must be one of {sorted(SCALE_MODES)}, got "
+                         f"{scale_mode!r}")
 
 
 @define(

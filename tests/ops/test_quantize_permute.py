@@ -1,5 +1,6 @@
 """Fused quantize-and-permute: bit for bit ``moe_permute(qmoe.quantize(x, recipe))``."""
 
+import contextlib
 import itertools
 
 import pytest
@@ -295,6 +296,66 @@ def test_opcheck_and_fake():
     rid, _ = torch.ops.qmoe.make_row_id_map(mask[:0], 0, False, 1)
     torch.library.opcheck(torch.ops.qmoe.quantize_permute.default,
                           (empty, rid, None, 0, 128, torch.float8_e4m3fn, "amax", None))
+    n = int(mask.sum())  # no columns: [N, 0] bits, [N, 0] scales
+    rid, _ = torch.ops.qmoe.make_row_id_map(mask, n, False, 1)
+    torch.library.opcheck(torch.ops.qmoe.quantize_permute.default,
+                          (x[:, :0], rid, probs, n, 32, torch.float8_e4m3fn, "mx_floor", None))
+    torch.library.opcheck(torch.ops.qmoe.quantize_permute_mask.default,
+                          (x[:, :0], mask, probs, n, 1, 128, torch.float8_e5m2, "amax", None))
+
+
+def test_ops_autograd_probs_only():
+    """The ops' own autograd: ``permuted_probs`` carries the gradient to ``probs`` (as
+    ``qmoe::permute``'s does); the fp8 bits, scales and map take none, so ``x`` gets none
+    from the op itself (the public functions pass it straight through)."""
+    t, h, e = 30, 96, 8
+    _, mask = routing(t, e, 3, "empty_experts", DEV)
+    n = int(mask.sum()) - 2  # two routes dropped
+    rid, fill = torch.ops.qmoe.make_row_id_map(mask, n, False, 1)
+    g = torch.randn(n, device=DEV)
+    x0, p0 = torch.randn(t, h, device=DEV), torch.rand(t, e, device=DEV)
+    p_ref = p0.clone().requires_grad_()
+    torch.ops.qmoe.permute(x0, rid, p_ref, n)[1].backward(g)
+    for op, args in ((torch.ops.qmoe.quantize_permute.default,
+                      lambda x, p: (x, rid, p, n, 32, torch.float8_e4m3fn, "mx_floor", None,
+                                    fill)),
+                     (torch.ops.qmoe.quantize_permute_mask.default,
+                      lambda x, p: (x, mask, p, n, 1, 128, torch.float8_e5m2, "amax", None))):
+        x, p = x0.clone().requires_grad_(), p0.clone().requires_grad_()
+        out = op(*args(x, p))
+        assert [o.requires_grad for o in out] == [False, False, True] + [False] * (len(out) - 3)
+        out[2].backward(g)
+        assert x.grad is None
+        assert_same_bits(p.grad, p_ref.grad)
+        # opcheck's forward-backward test sums every output, and fp8 has no sum: the rest
+        torch.library.opcheck(op, args(x, p), test_utils=(
+            "test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+@pytest.mark.parametrize("fake", [False, True])
+def test_ops_refuse_bad_quantizing_arguments(fake):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    t, h, e = 6, 64, 4
+    _, mask = routing(t, e, 2, "random", DEV)
+    n = int(mask.sum())
+    rid, _ = torch.ops.qmoe.make_row_id_map(mask, n, False, 1)
+    x, one = torch.randn(t, h, device=DEV), torch.tensor(0.1, device=DEV)
+    e4 = torch.float8_e4m3fn
+    cases = [((32, torch.float16, "mx_floor", None), TypeError, "fp8_dtype must be"),
+             ((0, e4, "amax", None), ValueError, "block_size must be a power of two"),
+             ((128, e4, "absmax", None), ValueError, "scale_mode must be one of"),
+             ((128, e4, "amax", one), ValueError, "scale is only taken with"),
+             ((0, e4, "given", None), ValueError, "scale_mode=.given. needs a one-element")]
+    mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
+    with mode:
+        for args, err, msg in cases:
+            with pytest.raises(err, match="qmoe::quantize_permute: " + msg):
+                torch.ops.qmoe.quantize_permute(x, rid, None, n, *args)
+            with pytest.raises(err, match="qmoe::quantize_permute_mask: " + msg):
+                torch.ops.qmoe.quantize_permute_mask(x, mask, None, n, 1, *args)
+        with pytest.raises(ValueError, match="x must be 2-D"):
+            torch.ops.qmoe.quantize_permute(x[None], rid, None, n, 32, e4, "mx_floor", None)
 
 
 @pytest.mark.compile
