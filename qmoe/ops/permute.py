@@ -197,7 +197,8 @@ def moe_permute(
     """Group the rows of ``inp`` by expert: ``(output, row_id_map)``.
 
     Args:
-        inp: ``[T, H]`` fp32/bf16/fp16.
+        inp: ``[T, H]`` fp32/bf16/fp16, or a qmoe FP8 tensor (``Float8Tensor``,
+            ``Float8BlockwiseTensor``, ``MXFP8Tensor``: its bits and scales are moved).
         routing_map: ``map_type="mask"``: ``[T, E]`` bool or integer, nonzero = routed.
             ``map_type="index"``: ``[T, K]`` integer expert ids in ``[-1, E)``; ``-1`` is
             "not routed" (the expert-parallel sentinel). uint8 ids are cast to int16 (one
@@ -231,10 +232,13 @@ def moe_permute(
             (a one-element tensor) gives it.
 
     Returns:
-        ``output`` ``[N, H]`` in ``inp.dtype``: expert-major, token-minor (all rows of
-        expert 0 in token order, then expert 1, ...); and ``row_id_map`` ``[T, 2*S + 1]``
-        int32 (S = E or K), which ``moe_unpermute`` takes back. Mask and index maps of the
-        same routing give the same output. Differentiable in ``inp``.
+        ``output`` ``[N, H]``: in ``inp.dtype``, or of ``inp``'s FP8 type, or with
+        ``quantize`` the recipe's FP8 type (its ``dtype``, the dequantized one, is
+        ``inp.dtype``); expert-major, token-minor (all rows of expert 0 in token order,
+        then expert 1, ...); and ``row_id_map`` ``[T, 2*S + 1]`` int32 (S = E or K), which
+        ``moe_unpermute`` takes back. Mask and index maps of the same routing give the same
+        output. Differentiable in ``inp`` (with ``quantize``, the gradient reaches ``inp``
+        in high precision: the output gradient unpermuted).
     """
     del max_token_num
     out, _, rid = _permute("moe_permute", inp, None, routing_map, map_type, num_out_tokens,

@@ -352,9 +352,9 @@ def quantize_and_permute(fn: str, x, probs, routing_map, is_index: bool, align_s
     row_id_map)``."""
     from qmoe.tensors.base import QuantizedTensor
 
-    if isinstance(x, QuantizedTensor):
-        raise TypeError(f"{fn}: inp is already quantized; pass it without quantize=, or pass "
-                        "the high-precision tokens")
+    if isinstance(x, QuantizedTensor) or type(x).__module__.startswith("torchao"):
+        raise TypeError(f"{fn}: inp is already quantized ({type(x).__name__}); pass it "
+                        "without quantize=, or pass the high-precision tokens")
     if not isinstance(recipe, (PerTensor, Blockwise, MXFP8)):
         raise TypeError(f"{fn}: quantize must be qmoe.PerTensor(), qmoe.Blockwise() or "
                         f"qmoe.MXFP8(), got {recipe!r}")

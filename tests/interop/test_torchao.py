@@ -211,6 +211,15 @@ def test_layouts_that_do_not_map_are_refused(make, what):
         qmoe.from_torchao(t)
 
 
+@pytest.mark.parametrize("name", ["ao-perrow", "mx-e4m3", "train-tensorwise"])
+def test_quantize_of_torchao_rows_is_refused(name):
+    """``quantize=`` takes high-precision tokens: a torchao FP8 tensor is already quantized."""
+    x = torch.randn(8, 96, dtype=torch.bfloat16)
+    mask = routing(8, 4, 2)[1]
+    with pytest.raises(TypeError, match="inp is already quantized"):
+        qmoe.moe_permute(LAYOUTS[name](x), mask, 16, quantize=qmoe.MXFP8())
+
+
 def test_conversion_errors():
     x = torch.randn(8, 96, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="per-column"):

@@ -62,11 +62,17 @@ def test_fused_kernel_matches_two_steps(kdevice, recipe, t, h, e, k, kind, extra
                     assert_same_bits(a.cpu(), b)
 
 
-@pytest.mark.parametrize("recipe", ["blockwise-e4m3", "mx-e5m2", "pertensor-e4m3"])
+# a block size other than DeepSeek-V3's 128 (Blockwise takes powers of two in [16, 1024])
+OTHER_BLOCKS = {"blockwise64-e5m2": qmoe.Blockwise(block_size=64, fp8_dtype=torch.float8_e5m2),
+                "blockwise16-e4m3": qmoe.Blockwise(block_size=16)}
+
+
+@pytest.mark.parametrize("recipe", ["blockwise-e4m3", "mx-e5m2", "pertensor-e4m3",
+                                    *OTHER_BLOCKS])
 def test_fused_kernel_zeroes_padding_and_tail(kdevice, recipe):
     """A padded map with spare rows: every padding row and the tail come out zero (into
     poisoned outputs), with the map's fill ranges or with flags."""
-    r = RECIPES[recipe]
+    r = {**RECIPES, **OTHER_BLOCKS}[recipe]
     t, h, e = 45, 96, 8
     _, mask = routing(t, e, 3, "empty_experts", kdevice)
     n = 220
@@ -174,9 +180,11 @@ FP8_RECIPES = [f"{layout}-{dt}" for layout in ("pertensor", "blockwise", "mx")
                for dt in ("e4m3", "e5m2")]
 
 
-@pytest.mark.parametrize("recipe", FP8_RECIPES)
+@pytest.mark.parametrize("recipe", [*RECIPES, *OTHER_BLOCKS])
 def test_public_functions_with_quantize(recipe):
-    r = RECIPES[recipe]
+    """Each public function with ``quantize=`` against ``qmoe.quantize`` then the function,
+    for every recipe (on CUDA the fused kernels; elsewhere the op's two steps)."""
+    r = {**RECIPES, **OTHER_BLOCKS}[recipe]
     t, h, e, k = 50, 256, 8, 2
     ids, mask = routing(t, e, k, "sentinels", DEV)
     x = torch.randn(t, h, device=DEV, dtype=torch.bfloat16)
@@ -185,6 +193,10 @@ def test_public_functions_with_quantize(recipe):
     n = int(mask.sum()) - 3
     a, rid = qmoe.moe_permute(x, ids, n, map_type="index", quantize=r)
     b, _ = qmoe.moe_permute(q, ids, n, map_type="index")
+    assert_same_quantized(a, b)
+    # with num_experts (on CUDA the two-step side then takes qmoe::permute_index)
+    a, _ = qmoe.moe_permute(x, ids, n, map_type="index", num_experts=e, quantize=r)
+    b, _ = qmoe.moe_permute(q, ids, n, map_type="index", num_experts=e)
     assert_same_quantized(a, b)
     a, pa, _ = qmoe.moe_permute_with_probs(x, probs, mask, n, quantize=r)
     b, pb, _ = qmoe.moe_permute_with_probs(q, probs, mask, n)
@@ -375,6 +387,41 @@ def test_fused_path_compiles_fullgraph():
     assert_same_quantized(got[0], want[0])
     assert_same_bits(got[1], want[1])
     assert_same_bits(got[2], want[2])
+
+
+@pytest.mark.compile
+def test_map_in_launch_path_compiles_fwd_bwd(monkeypatch):
+    """fullgraph=True over the pad variant's sync-free form with ``quantize=`` and the map
+    built in the fused launch (``qmoe::quantize_permute_mask``; forced off CUDA), forward
+    and backward: outputs and gradients equal eager's bit for bit."""
+    import qmoe.ops.quantize_permute as QP
+
+    if DEV == "cpu":
+        monkeypatch.setattr(QP, "_map_in_launch", lambda x, is_index, n: not is_index)
+    t, h, e, k = 24, 160, 8, 6
+    _, mask = routing(t, e, k, "empty_experts", DEV)
+    x0, p0 = torch.randn(t, h, device=DEV), torch.rand(t, e, device=DEV)
+    w = torch.randn(t * k + e * 16, h, device=DEV)
+    assert QP._map_in_launch(x0, False, w.shape[0])
+
+    def f(x, probs):  # the FP8 output's consumer inside the graph, the output detached
+        # (AOTAutograd guesses an FP8 tangent for an FP8 output: docs/tensors.md)
+        out, pp, rid, _, target = qmoe.moe_permute_and_pad_with_probs(
+            x, probs, mask, None, 16, num_out_tokens=w.shape[0],
+            quantize=qmoe.Blockwise(fp8_dtype=torch.float8_e5m2))
+        return out.detach(), out.dequantize() * w, pp * pp, rid, target
+
+    def run(fn):
+        x, probs = x0.clone().requires_grad_(), p0.clone().requires_grad_()
+        out, z, pp2, rid, target = fn(x, probs)
+        (z.sum() + pp2.sum()).backward()
+        return out, z, pp2, rid, target, x.grad, probs.grad
+
+    torch._dynamo.reset()
+    got, want = run(torch.compile(f, fullgraph=True)), run(f)
+    assert_same_quantized(got[0], want[0])
+    for a, b in zip(got[1:], want[1:]):
+        assert_same_bits(a, b)
 
 
 def test_bad_quantize_arguments():
