@@ -66,6 +66,15 @@ def _cases():
                            ops.permute_with_scales.default, (_bits(xq), xq.raw_scale, rid_m, pr, n))
                 yield (f"permute_with_scales_fill_{name}-{t}", ops.permute_with_scales.default,
                        (_bits(xq), xq.raw_scale, rid_p, probs.detach(), n + 8, fill_p))
+        # The fused quantize-permute ops: inputs without requires_grad (opcheck's backward
+        # test sums every output, and fp8 has no sum; their autograd: test_quantize_permute)
+        xd, pd, e4, e5 = x.detach(), probs.detach(), torch.float8_e4m3fn, torch.float8_e5m2
+        yield (f"quantize_permute_mx_fill-{t}", ops.quantize_permute.default,
+               (xd, rid_m, pd, n, 32, e4, "mx_floor", None, fill_m))
+        yield (f"quantize_permute_index_given-{t}", ops.quantize_permute.default,
+               (xd, rid_i, None, n, 0, e5, "given", torch.tensor(0.05, device=DEV)))
+        yield (f"quantize_permute_mask_pad-{t}", ops.quantize_permute_mask.default,
+               (xd, mask, pd, n + 8, 4, 128, e4, "amax", None))
         sizes = torch.tensor([t // 2, 0, t - t // 2], device=DEV)
         order = torch.tensor([2, 0, 1], device=DEV)
         p1 = torch.rand(t, device=DEV, requires_grad=True)
