@@ -37,8 +37,9 @@ def test_fused_kernel_matches_two_steps(kdevice, recipe, t, h, e, k, kind, extra
     r = RECIPES[recipe]
     ids, mask = routing(t, e, k, kind, kdevice)
     n = max(0, int(mask.sum()) + extra)
-    for dtype in ((torch.float32, torch.bfloat16) if kdevice == "cpu" else
-                  (torch.float32, torch.bfloat16, torch.float16)):
+    # fp16 rows too, under the interpreter on the few-token cases only (its time)
+    for dtype in ((torch.float32, torch.bfloat16, torch.float16)
+                  if kdevice == "cuda" or t <= 3 else (torch.float32, torch.bfloat16)):
         x = (torch.randn(t, h, device=kdevice) * torch.logspace(-2, 2, h, device=kdevice)).to(dtype)
         probs = torch.rand(t, e, device=kdevice)
         for rm, is_index in ((mask, False), (ids, True)):
