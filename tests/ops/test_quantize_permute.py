@@ -31,6 +31,7 @@ def _args(recipe, x):
     (1, 17, 4, 2, "random", 0), (63, 160, 8, 3, "sentinels", -9), (40, 300, 16, 4,
                                                                     "empty_experts", 7),
     (2, 7168, 8, 2, "random", 0), (3, 4100, 8, 3, "sentinels", 2),  # 4096-column tiles
+    (3, 2880, 16, 4, "random", -2),  # gpt-oss's H: three 1024-column steps a program
 ])
 def test_fused_kernel_matches_two_steps(kdevice, recipe, t, h, e, k, kind, extra):
     """The Triton kernel (CUDA, or the interpreter) against quantize then permute."""
