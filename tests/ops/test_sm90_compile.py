@@ -165,11 +165,16 @@ def _launches():
     for bs, mode in ((128, "amax"), (32, "mx_floor")):
         quantize_permute_triton(x7, rid, probs, n, bs, torch.float8_e4m3fn, mode, None, fill)
         quantize_permute_mask_triton(x7, mask, n, 1, probs, bs, torch.float8_e4m3fn, mode, None)
-        for tile in (4096, 1024):  # the whole row a program, in 2 or 7 steps (not default)
+        for tile in (4096, 1024):  # the whole row a program, in 2 or 7 steps (4096: the
+            # mask kernel's default tiling at this H; the map-reading kernel's is one step)
             quantize_permute_triton(x7, rid, probs, n, bs, torch.float8_e4m3fn, mode, None,
                                     fill, tile=tile, steps=0)
             quantize_permute_mask_triton(x7, mask, n, 1, probs, bs, torch.float8_e4m3fn, mode,
                                          None, tile=tile, steps=0)
+        # gpt-oss's H: the map-reading kernel's default, the whole row in three 1024-column
+        # steps
+        quantize_permute_triton(x7[:, :2880], rid, probs, n, bs, torch.float8_e4m3fn, mode,
+                                None, fill)
     given = torch.tensor(0.01)
     quantize_rows_triton(x, 512, torch.float8_e5m2, "given", given)
     quantize_permute_triton(x, rid, None, n, 0, torch.float8_e5m2, "given", given, fill)
