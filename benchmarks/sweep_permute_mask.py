@@ -261,7 +261,8 @@ def main() -> None:
                         "(elements a step) x --quant-steps x warps (bytes: bf16 in, fp8 + "
                         "scales out)")
     p.add_argument("--quant-steps", default="1",
-                   help="comma list: the --quant-tiles cases' steps a program (0: whole row)")
+                   help="comma list: the --quant-tiles cases' steps a program (0: whole row, "
+                        "the launchers' default but for the map-reading kernel at H >= 4096)")
     p.add_argument("--quant-block", type=int, default=128, choices=(128, 32),
                    help="the --quant-tiles cases' scale block: 128 blockwise, 32 MXFP8")
     p.add_argument("--block-h", default="", help="comma list: fused cases at these columns "

@@ -54,6 +54,9 @@ def _check_args(op, x, block_size, fp8_dtype, scale_mode, scale) -> None:
     if scale is None or scale.numel() != 1:
         raise ValueError(f"qmoe::{op}: scale_mode='given' needs a one-element scale tensor, "
                          f"got {None if scale is None else tuple(scale.shape)}")
+    if scale.device != x.device or not scale.is_floating_point():
+        raise ValueError(f"qmoe::{op}: scale must be a float tensor on x's device "
+                         f"({x.device}), got {scale.dtype} on {scale.device}")
 
 
 def _two_step(x, rid, probs, n, block_size, fp8_dtype, scale_mode, scale):
@@ -93,9 +96,10 @@ def _consts(x, fp8_dtype, scale_mode, bs, nb, tile, steps) -> dict:
     """The quantizing constexprs of the fused kernels, and the column tiling: ``tile`` row
     elements a step (``sweep_permute.py``: 4096 at H >= 4096, else 1024), ``steps`` steps
     a program (0: the whole row, so a token's map row is read or built once). The
-    launchers' defaults (``steps=None``) follow the H100 sweep of session 17
-    (docs/benchmarks.md): the whole row, except the map-reading kernel at H >= 4096, where
-    one step a program measured faster (dsv3 78.3 vs 76.9% of copy)."""
+    launchers' defaults follow the H100 sweep of session 17 (docs/benchmarks.md): the
+    whole row (the mask kernel's ``steps=0``; the map-reading kernel's ``steps=None``),
+    except the map-reading kernel at H >= 4096, where one step a program measured faster
+    (dsv3 78.3 vs 76.9% of copy)."""
     if tile is None:
         tile = 4096 if x.shape[1] >= 4096 else 1024
     groups = max(1, min(tile // bs, next_pow2(nb)))

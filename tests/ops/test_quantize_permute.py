@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import qmoe
+from qmoe.ops import reference as R
 from qmoe.ops.quantize_permute import (
     _two_step,
     quantize_permute_mask_triton,
@@ -319,8 +320,8 @@ def test_opcheck_and_fake():
 
 
 def test_ops_autograd_probs_only():
-    """The ops' own autograd: ``permuted_probs`` carries the gradient to ``probs`` (as
-    ``qmoe::permute``'s does); the fp8 bits, scales and map take none, so ``x`` gets none
+    """The ops' own autograd: ``permuted_probs`` carries the gradient to ``probs``; the
+    fp8 bits, scales and map take none, so ``x`` gets none
     from the op itself (the public functions pass it straight through)."""
     t, h, e = 30, 96, 8
     _, mask = routing(t, e, 3, "empty_experts", DEV)
@@ -328,8 +329,13 @@ def test_ops_autograd_probs_only():
     rid, fill = torch.ops.qmoe.make_row_id_map(mask, n, False, 1)
     g = torch.randn(n, device=DEV)
     x0, p0 = torch.randn(t, h, device=DEV), torch.rand(t, e, device=DEV)
-    p_ref = p0.clone().requires_grad_()
-    torch.ops.qmoe.permute(x0, rid, p_ref, n)[1].backward(g)
+    # the probs' gradient from the reference's routes (qmoe.ops.reference): g at each kept
+    # route's row, zero elsewhere
+    want = torch.zeros(t, e)
+    _, _, kept = R.permute(torch.zeros(t, 1), mask.cpu(), "mask", n)
+    for (tok, _e, col), row in zip(R.routes_of(mask, "mask"), kept):
+        if row >= 0:
+            want[tok, col] = g[row].cpu()
     for op, args in ((torch.ops.qmoe.quantize_permute.default,
                       lambda x, p: (x, rid, p, n, 32, torch.float8_e4m3fn, "mx_floor", None,
                                     fill)),
@@ -340,7 +346,7 @@ def test_ops_autograd_probs_only():
         assert [o.requires_grad for o in out] == [False, False, True] + [False] * (len(out) - 3)
         out[2].backward(g)
         assert x.grad is None
-        assert_same_bits(p.grad, p_ref.grad)
+        assert_same_bits(p.grad.cpu(), want)
         # opcheck's forward-backward test sums every output, and fp8 has no sum: the rest
         torch.library.opcheck(op, args(x, p), test_utils=(
             "test_schema", "test_autograd_registration", "test_faketensor"))
@@ -360,7 +366,11 @@ def test_ops_refuse_bad_quantizing_arguments(fake):
              ((0, e4, "amax", None), ValueError, "block_size must be a power of two"),
              ((128, e4, "absmax", None), ValueError, "scale_mode must be one of"),
              ((128, e4, "amax", one), ValueError, "scale is only taken with"),
-             ((0, e4, "given", None), ValueError, "scale_mode=.given. needs a one-element")]
+             ((0, e4, "given", None), ValueError, "scale_mode=.given. needs a one-element"),
+             ((0, e4, "given", torch.tensor(1, device=DEV)), ValueError,
+              "scale must be a float tensor on x's device")]
+    if DEV == "cuda":  # a CPU scale beside CUDA rows
+        cases.append(((0, e4, "given", one.cpu()), ValueError, "scale must be a float tensor"))
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     with mode:
         for args, err, msg in cases:

@@ -151,7 +151,8 @@ def _launches():
         qw = qmoe.quantize(y.float().repeat(1, 5)[:, :1152], recipe)  # evict_first tiles
         B.unpermute_fp8_rows(_bits(qw), qw.raw_scale, _layout(qw), qw.block_size or 0,
                              qw.fp8_dtype, rid, probs, torch.bfloat16, use_triton=True)
-    for bs, mode in ((128, "amax"), (128, "pow2"), (32, "mx_floor")):
+    for bs, mode in ((128, "amax"), (128, "pow2"), (32, "mx_floor"), (64, "amax"),
+                     (16, "amax")):  # (and Blockwise's other block sizes)
         quantize_rows_triton(x, bs, torch.float8_e4m3fn, mode)
         for f in (None, fill):
             quantize_permute_triton(x, rid, probs, n, bs, torch.float8_e4m3fn, mode, None, f)
