@@ -1,6 +1,18 @@
 import torch
 
+from qmoe.ops import reference as R
+
 KINDS = ["random", "empty_experts", "no_route_tokens", "sentinels", "one_expert"]
+
+
+def reference_routes(routing_map, map_type, n, align=1):
+    """``(rows, tokens, columns)`` int64 of every route kept in ``n`` output rows, from the
+    reference (``qmoe.ops.reference``: the definitions, not qmoe's row_id_map)."""
+    routes = R.routes_of(routing_map, map_type)
+    _, _, kept = R.permute(torch.zeros(routing_map.shape[0], 1), routing_map.cpu(), map_type,
+                           n, align_size=align)
+    live = [(p, t, col) for (t, _e, col), p in zip(routes, kept) if p >= 0]
+    return tuple(torch.tensor([r[i] for r in live], dtype=torch.long) for i in range(3))
 
 
 def routing(t: int, e: int, k: int, kind: str = "random", device="cpu"):

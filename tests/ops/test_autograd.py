@@ -4,24 +4,13 @@ import pytest
 import torch
 
 import qmoe
-from qmoe.ops import reference as R
-from tests.ops.helpers import last_routed_row, routing
+from tests.ops.helpers import last_routed_row, reference_routes, routing
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _routes(routing_map, map_type, n, align=1):
-    """(row, token, column) of every route kept in ``n`` output rows, from the reference
-    (``qmoe.ops.reference``: the definitions, not qmoe's row_id_map)."""
-    routes = R.routes_of(routing_map, map_type)
-    _, _, kept = R.permute(torch.zeros(routing_map.shape[0], 1), routing_map.cpu(), map_type,
-                           n, align_size=align)
-    live = [(p, t, col) for (t, _e, col), p in zip(routes, kept) if p >= 0]
-    return tuple(torch.tensor([r[i] for r in live], dtype=torch.long) for i in range(3))
-
-
 def _perm_matrix(routes, n: int, t: int) -> torch.Tensor:
-    """Dense [N, T] 0/1 matrix of the permutation of ``routes`` (``_routes``)."""
+    """Dense [N, T] 0/1 matrix of the permutation of ``routes`` (``reference_routes``)."""
     m = torch.zeros(n, t, dtype=torch.float64)
     rows, toks, _ = routes
     m[rows, toks] = 1.0
@@ -37,7 +26,7 @@ def _work(out, pp):
 def _check_against_dense(routes, n, x, probs, merge, g):
     """Gradients of ``unpermute(_work(permute_with_probs(x, probs)), merge)`` against the
     same function built densely in fp64 from the reference's permutation matrix
-    (``routes``: ``_routes``)."""
+    (``routes``: ``reference_routes``)."""
     t = x.shape[0]
     pm = _perm_matrix(routes, n, t)
     xd = x.detach().cpu().double().requires_grad_()
@@ -75,7 +64,7 @@ def test_permute_probs_unpermute_backward(map_type, extra):
     y = qmoe.moe_unpermute(_work(out, pp), rid, merge, map_type=map_type)
     g = torch.randn_like(y)
     (y * g).sum().backward()
-    _check_against_dense(_routes(rm, map_type, n), n, x, probs, merge, g)
+    _check_against_dense(reference_routes(rm, map_type, n), n, x, probs, merge, g)
 
 
 @pytest.mark.parametrize("align", [4, 16])
@@ -100,7 +89,7 @@ def test_pad_variant_backward(align, spare):
     g = torch.randn_like(y)
     (y * g).sum().backward()
     n = out.shape[0]
-    _check_against_dense(_routes(mask, "mask", n, align), n, x, probs, merge, g)
+    _check_against_dense(reference_routes(mask, "mask", n, align), n, x, probs, merge, g)
 
 
 @pytest.mark.parametrize("probs_dtype", [torch.float32, torch.float64])
@@ -181,7 +170,7 @@ def test_unpermute_double_backward(map_type, weighted):
         return torch.autograd.grad(loss2, leaves)
 
     got = second_order(lambda y, w: qmoe.moe_unpermute(y, rid, w, map_type=map_type), y, w)
-    rows, toks, cols = _routes(rm, map_type, n)
+    rows, toks, cols = reference_routes(rm, map_type, n)
 
     def dense(y, w):
         rows_w = y[rows] if w is None else y[rows] * w[toks, cols][:, None]

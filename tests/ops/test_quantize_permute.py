@@ -7,7 +7,6 @@ import pytest
 import torch
 
 import qmoe
-from qmoe.ops import reference as R
 from qmoe.ops.quantize_permute import (
     _two_step,
     quantize_permute_mask_triton,
@@ -15,7 +14,7 @@ from qmoe.ops.quantize_permute import (
 )
 from qmoe.ops.row_id_map import MapTiling
 from qmoe.tensors.quantize import _scale_mode, per_tensor_scale
-from tests.ops.helpers import routing
+from tests.ops.helpers import reference_routes, routing
 from tests.tensors.helpers import RECIPES, assert_same_bits, assert_same_quantized
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -332,10 +331,8 @@ def test_ops_autograd_probs_only():
     # the probs' gradient from the reference's routes (qmoe.ops.reference): g at each kept
     # route's row, zero elsewhere
     want = torch.zeros(t, e)
-    _, _, kept = R.permute(torch.zeros(t, 1), mask.cpu(), "mask", n)
-    for (tok, _e, col), row in zip(R.routes_of(mask, "mask"), kept):
-        if row >= 0:
-            want[tok, col] = g[row].cpu()
+    rows, toks, cols = reference_routes(mask, "mask", n)
+    want[toks, cols] = g.cpu()[rows]
     for op, args in ((torch.ops.qmoe.quantize_permute.default,
                       lambda x, p: (x, rid, p, n, 32, torch.float8_e4m3fn, "mx_floor", None,
                                     fill)),
