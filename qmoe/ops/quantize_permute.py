@@ -27,6 +27,8 @@ from qmoe.tensors.quantize import (
     _emax_elem,
     _plain,
     _scale_mode,
+    check_given_scale,
+    check_scale_tensor,
     per_tensor_scale,
 )
 from qmoe.tensors.recipes import MXFP8, Blockwise, PerTensor, Recipe, fp8_max
@@ -51,12 +53,10 @@ def _check_args(op, x, block_size, fp8_dtype, scale_mode, scale) -> None:
                              f"scale_mode={scale_mode!r}; drop scale")
         return
     _check_dtypes(op, x, fp8_dtype)
-    if scale is None or scale.numel() != 1:
+    if scale is None:
         raise ValueError(f"qmoe::{op}: scale_mode='given' needs a one-element scale tensor, "
-                         f"got {None if scale is None else tuple(scale.shape)}")
-    if scale.device != x.device or not scale.is_floating_point():
-        raise ValueError(f"qmoe::{op}: scale must be a float tensor on x's device "
-                         f"({x.device}), got {scale.dtype} on {scale.device}")
+                         "got None")
+    check_scale_tensor(f"qmoe::{op}", "scale", scale, "x", x)
 
 
 def _two_step(x, rid, probs, n, block_size, fp8_dtype, scale_mode, scale):
@@ -95,13 +95,16 @@ def _outputs(x, n, block_size, fp8_dtype, scale_mode, scale, probs, poison):
 def _consts(x, fp8_dtype, scale_mode, bs, nb, tile, steps) -> dict:
     """The quantizing constexprs of the fused kernels, and the column tiling: ``tile`` row
     elements a step (``sweep_permute.py``: 4096 at H >= 4096, else 1024), ``steps`` steps
-    a program (0: the whole row, so a token's map row is read or built once). The
+    a program (0: the whole row, so a token's map row is read or built once; None: the
+    whole row at H < 4096, else one step). The
     launchers' defaults follow the H100 sweep of session 17 (docs/benchmarks.md): the
     whole row (the mask kernel's ``steps=0``; the map-reading kernel's ``steps=None``),
     except the map-reading kernel at H >= 4096, where one step a program measured faster
     (dsv3 78.3 vs 76.9% of copy)."""
     if tile is None:
         tile = 4096 if x.shape[1] >= 4096 else 1024
+    if steps is None:
+        steps = 0 if x.shape[1] < 4096 else 1
     groups = max(1, min(tile // bs, next_pow2(nb)))
     e4m3 = fp8_dtype == torch.float8_e4m3fn
     return dict(FP8_MAX=fp8_max(fp8_dtype), EMAX_ELEM=_emax_elem(fp8_dtype), EPS=EPS,
@@ -139,7 +142,6 @@ def quantize_permute_triton(x, rid, probs, n, block_size, fp8_dtype, scale_mode,
     fill = fill.contiguous() if fill is not None else None
     given, has_p, has_f = scale_mode == "given", probs is not None, fill is not None
     written = fill if has_f else torch.zeros(n, dtype=torch.int8, device=x.device)
-    steps = (0 if h < 4096 else 1) if steps is None else steps
     consts = _consts(x, fp8_dtype, scale_mode, bs, nb, tile, steps)
     progs, r, z = scatter_programs(t, n, fill)
     if progs:
@@ -365,8 +367,6 @@ def quantize_and_permute(fn: str, x, probs, routing_map, is_index: bool, align_s
     if scale is not None:
         if not isinstance(recipe, PerTensor):
             raise ValueError(f"{fn}: quantize_scale is only accepted with the PerTensor recipe")
-        from qmoe.tensors.quantize import check_given_scale
-
         check_given_scale(fn, "quantize_scale", scale, "inp", x)
     return _QuantizePermute.apply(x, probs, routing_map, is_index, align_size, n, recipe,
                                   scale)

@@ -347,9 +347,20 @@ def quantize(
 
 def check_given_scale(fn: str, name: str, scale, x_name: str, x: torch.Tensor) -> None:
     """A caller-given per-tensor scale (``quantize``'s ``scale``, the permutes'
-    ``quantize_scale``): a one-element float tensor on ``x``'s device whose value is
-    positive and finite. The value is checked where that is free (a CPU tensor in eager
-    mode); on CUDA it is not (a device check would add launches to every call)."""
+    ``quantize_scale``): ``check_scale_tensor``, and a value positive and finite. The
+    value is checked where that is free (a CPU tensor in eager mode); on CUDA it is not (a
+    device check would add launches to every call)."""
+    check_scale_tensor(fn, name, scale, x_name, x)
+    if scale.device.type == "cpu" and not torch.compiler.is_compiling():
+        v = float(scale.reshape(()))
+        if not (v > 0 and v != float("inf")):
+            raise ValueError(f"{fn}: {name} must be positive and finite, got {v}; a zero, "
+                             "negative or non-finite scale would quantize to zeros or NaN")
+
+
+def check_scale_tensor(fn: str, name: str, scale, x_name: str, x: torch.Tensor) -> None:
+    """A per-tensor scale's form: a one-element float tensor on ``x``'s device (no value
+    read, so fake tensors pass: the fused ops' fakes check this too)."""
     if not isinstance(scale, torch.Tensor):
         raise TypeError(f"{fn}: {name} must be a one-element float tensor, got "
                         f"{type(scale).__name__} (wrap a number as torch.tensor(v, "
@@ -361,11 +372,6 @@ def check_given_scale(fn: str, name: str, scale, x_name: str, x: torch.Tensor) -
         raise ValueError(f"{fn}: {name} is on {scale.device} but {x_name} is on {x.device}")
     if not scale.is_floating_point():
         raise TypeError(f"{fn}: {name} must be a float tensor, got {scale.dtype}")
-    if scale.device.type == "cpu" and not torch.compiler.is_compiling():
-        v = float(scale.reshape(()))
-        if not (v > 0 and v != float("inf")):
-            raise ValueError(f"{fn}: {name} must be positive and finite, got {v}; a zero, "
-                             "negative or non-finite scale would quantize to zeros or NaN")
 
 
 def dequantize(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:

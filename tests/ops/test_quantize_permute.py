@@ -364,10 +364,11 @@ def test_ops_refuse_bad_quantizing_arguments(fake):
              ((128, e4, "absmax", None), ValueError, "scale_mode must be one of"),
              ((128, e4, "amax", one), ValueError, "scale is only taken with"),
              ((0, e4, "given", None), ValueError, "scale_mode=.given. needs a one-element"),
-             ((0, e4, "given", torch.tensor(1, device=DEV)), ValueError,
-              "scale must be a float tensor on x's device")]
+             ((0, e4, "given", torch.tensor(1, device=DEV)), TypeError,
+              "scale must be a float tensor, got torch.int64"),
+             ((0, e4, "given", one.repeat(2)), ValueError, "scale must be a one-element")]
     if DEV == "cuda":  # a CPU scale beside CUDA rows
-        cases.append(((0, e4, "given", one.cpu()), ValueError, "scale must be a float tensor"))
+        cases.append(((0, e4, "given", one.cpu()), ValueError, "scale is on cpu but x is on"))
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     with mode:
         for args, err, msg in cases:
