@@ -37,6 +37,37 @@ def is_compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
+def _raise_at_trace_time(cls: type, msg: str) -> bool:
+    """Run by Dynamo at trace time (marked constant below): under ``fullgraph=True`` (or
+    strict export) raise ``cls(msg)`` from there, which Dynamo reports as
+    ``InternalTorchDynamoError: <cls>: <msg>`` with ours as its cause, where an exception
+    raised in traced code reads ``Unsupported: Observed exception`` and shows ours only
+    in its debug context. Otherwise (graph breaks allowed) return, and the caller's plain
+    ``raise`` propagates as it is."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+    except Exception:  # not inside a Dynamo trace, or another torch's internals
+        return False
+    if getattr(tx, "one_graph", False) or getattr(tx, "error_on_graph_break", False):
+        raise cls(msg)
+    return False
+
+
+# torch._dynamo.assume_constant_result without importing torch._dynamo at import time
+_raise_at_trace_time._dynamo_marked_constant = True
+
+
+def raise_error(exc: Exception):
+    """Raise ``exc`` so that the user reads its message first, eager or compiled: under
+    Dynamo the trace-time raise above, else (eager, non-strict export, or graph breaks
+    allowed) a plain ``raise``."""
+    if torch.compiler.is_dynamo_compiling():
+        _raise_at_trace_time(type(exc), str(exc))
+    raise exc
+
+
 def check_tensor(fn: str, name: str, x, *, ndim: int | None = None, dtypes=None, fix: str = ""):
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(x).__name__}")
@@ -80,7 +111,15 @@ def check_same_device(fn: str, ref_name: str, ref: torch.Tensor, **others) -> No
             )
 
 
-def check_routing_map(fn: str, inp: torch.Tensor, routing_map, map_type: str) -> None:
+#: How to turn ``[T, K]`` expert ids into what a mask-only call takes.
+MASK_FROM_IDS = ("build a [T, E] bool mask from [T, K] ids with torch.zeros(T, E, "
+                 "dtype=torch.bool, device=ids.device).scatter_(1, ids, True)")
+
+
+def check_routing_map(fn: str, inp: torch.Tensor, routing_map, map_type: str,
+                      index_fix: str = "pass map_type='index' (and num_experts=E)") -> None:
+    """Type, shape and device of ``routing_map``; a mask's values (``check_mask_values``).
+    ``index_fix``: what to do instead when a mask holds expert ids."""
     if map_type not in ("mask", "index"):
         raise ValueError(f"{fn}: map_type must be 'mask' or 'index', got {map_type!r}")
     dtypes = (torch.bool, *_INTS) if map_type == "mask" else _INTS[:4]
@@ -92,6 +131,19 @@ def check_routing_map(fn: str, inp: torch.Tensor, routing_map, map_type: str) ->
             "tokens; they must match (T)"
         )
     check_same_device(fn, "inp", inp, routing_map=routing_map)
+    if map_type == "mask":
+        check_mask_values(fn, routing_map, index_fix)
+
+
+def check_mask_values(fn: str, routing_map: torch.Tensor, index_fix: str) -> None:
+    """A mask holds only 0 and 1: an integer map of other values is almost surely
+    ``[T, K]`` expert ids, which read as a mask would route tokens to the wrong experts.
+    Bool masks need no check; integer ones take one ``aminmax`` (sync-free on CUDA and
+    under compile, ``check_values``)."""
+    if routing_map.dtype != torch.bool:
+        check_range(fn, routing_map, 0, 2,
+                    "routing_map is read as a [T, E] mask (map_type='mask') but holds values "
+                    f"other than 0 and 1; if it holds [T, K] expert ids, {index_fix}")
 
 
 def check_not_quantized(fn: str, name: str, t) -> None:
@@ -107,7 +159,8 @@ def check_not_quantized(fn: str, name: str, t) -> None:
 def check_probs(fn: str, name: str, probs, t: int, p: int, ref: torch.Tensor, cols: str,
                 *, nan: bool = True) -> None:
     """Type, shape and device of ``probs`` ``[T, p]``; with ``nan``, no NaN anywhere in it
-    (``check_no_nan``; the CUDA permute kernels check the entries they move instead)."""
+    (``check_no_nan``). The permutes pass ``nan=False``: only the probs of kept routes
+    matter (``check_kept_probs``)."""
     if probs is None:
         return
     check_not_quantized(fn, name, probs)
@@ -124,6 +177,16 @@ def check_no_nan(fn: str, name: str, probs: torch.Tensor) -> None:
     CUDA and under compile, where the failure surfaces at the next synchronization)."""
     if probs.numel():
         check_values(fn, (probs == probs).all(), f"{name} holds NaN; fix the router upstream")
+
+
+def check_kept_probs(fn: str, name: str, permuted_probs: torch.Tensor) -> None:
+    """No NaN among the probs of the routes a permute kept: its ``[N]`` permuted probs
+    hold exactly those (zero on rows no route fills). Unrouted and dropped entries of
+    ``probs`` may hold anything (TransformerEngine's tests give unrouted tokens 0/0 = NaN).
+    The CUDA kernels check the same entries as they move them (a device assert)."""
+    if permuted_probs.numel():
+        check_values(fn, (permuted_probs == permuted_probs).all(),
+                     f"{name} holds NaN at a kept route; fix the router upstream")
 
 
 def check_num_out_tokens(fn: str, num_out_tokens) -> int | None:

@@ -131,11 +131,9 @@ def _out_rows(fn, inp, routing_map, map_type, num_out_tokens, num_experts, align
     n = C.check_num_out_tokens(fn, num_out_tokens)
     if n is None:
         if C.is_compiling():
-            raise ValueError(
+            C.raise_error(ValueError(
                 f"{fn}: under torch.compile or torch.export pass num_out_tokens (an int "
-                "bound, e.g. T*K): "
-                "counting the routed rows needs a host sync"
-            )
+                "bound, e.g. T*K): counting the routed rows needs a host sync"))
         n, _ = _routed_count(fn, routing_map, map_type, num_experts, align_size)
     elif map_type == "index":
         _check_index_ids(fn, routing_map, num_experts)
@@ -160,10 +158,21 @@ def _permute(fn, inp, probs, routing_map, map_type, num_out_tokens, num_experts,
                          "pass quantize=qmoe.PerTensor() with it, or drop it")
     n, num_experts = _out_rows(fn, inp, routing_map, map_type, num_out_tokens, num_experts,
                                align_size)
-    # On CUDA the permute kernels check the probs of the routes they move (assert_probs_not_nan, a
-    # device assert: no extra pass over probs); elsewhere every entry is checked here.
+    # Only the probs of kept routes matter: the CUDA kernels check those as they move them
+    # (assert_probs_not_nan, a device assert); elsewhere the permuted probs are checked.
     C.check_probs(fn, "probs", probs, inp.shape[0], routing_map.shape[1], inp,
-                  "E" if map_type == "mask" else "K", nan=not inp.is_cuda)
+                  "E" if map_type == "mask" else "K", nan=False)
+    out, pp, rid = _run_permute(inp, probs, routing_map, map_type, n, num_experts, quantize,
+                                quantize_scale, align_size, fn)
+    if probs is not None and not inp.is_cuda:
+        C.check_kept_probs(fn, "probs", pp)
+    return out, pp, rid
+
+
+def _run_permute(inp, probs, routing_map, map_type, n, num_experts, quantize, quantize_scale,
+                 align_size, fn):
+    """The op that ``_permute`` runs for checked arguments: ``(output, permuted_probs,
+    row_id_map)``."""
     if quantize is not None:
         return quantize_and_permute(fn, inp, probs, routing_map, map_type == "index",
                                     align_size, n, quantize, quantize_scale)
@@ -199,7 +208,9 @@ def moe_permute(
     Args:
         inp: ``[T, H]`` fp32/bf16/fp16, or a qmoe FP8 tensor (``Float8Tensor``,
             ``Float8BlockwiseTensor``, ``MXFP8Tensor``: its bits and scales are moved).
-        routing_map: ``map_type="mask"``: ``[T, E]`` bool or integer, nonzero = routed.
+        routing_map: ``map_type="mask"``: ``[T, E]`` bool, or integer holding only 0 and
+            1 (other values raise: ``[T, K]`` expert ids need ``map_type="index"``; a
+            ``ValueError`` on CPU, an async device assert on CUDA, no host sync).
             ``map_type="index"``: ``[T, K]`` integer expert ids in ``[-1, E)``; ``-1`` is
             "not routed" (the expert-parallel sentinel). uint8 ids are cast to int16 (one
             small copy).
@@ -261,7 +272,9 @@ def moe_permute_with_probs(
 
     ``probs`` is ``[T, E]`` (mask map) or ``[T, K]`` (index map), float. ``permuted_probs``
     is ``[N]`` in ``probs.dtype``: the prob of each output row's route (zero on rows no
-    route fills). Differentiable in ``inp`` and ``probs``. Host sync as in ``moe_permute``;
+    route fills). Differentiable in ``inp`` and ``probs``. Only the entries of kept routes
+    are read: NaN there raises (on CPU a ``ValueError``, on CUDA a device assert), NaN
+    elsewhere (tokens with no route, dropped routes) is ignored. Host sync as in ``moe_permute``;
     ``quantize`` / ``quantize_scale`` as there (fused quantize-and-permute).
     """
     fn = "moe_permute_with_probs"
@@ -282,7 +295,9 @@ def moe_permute_and_pad_with_probs(
     quantize: Recipe | None = None,
     quantize_scale: torch.Tensor | None = None,
 ):
-    """Permute with each expert's group padded to a multiple of ``align_size`` (mask map).
+    """Permute with each expert's group padded to a multiple of ``align_size``.
+    ``routing_map`` is a ``[T, E]`` mask (bool, or integer holding only 0 and 1: other
+    values raise, as in ``moe_permute``); ``probs`` as in ``moe_permute_with_probs``.
     ``quantize`` / ``quantize_scale``: fused quantize-and-permute, as in ``moe_permute``.
 
     Returns ``(output [N, H], permuted_probs [N], row_id_map, pad_offsets [E] int64 or
@@ -317,7 +332,7 @@ def moe_permute_and_pad_with_probs(
                          "(row_id_map rows are int32); use the grouped GEMM's alignment")
     num_out_tokens = C.check_num_out_tokens(fn, num_out_tokens)  # -1 (or tensor(-1)): None
     C.check_input(fn, inp)
-    C.check_routing_map(fn, inp, routing_map, "mask")
+    C.check_routing_map(fn, inp, routing_map, "mask", index_fix=C.MASK_FROM_IDS)
     if tokens_per_expert is not None:
         # on the CPU or inp's device: Megatron's DeepEP path builds it on the CPU
         # (TransformerEngine moves it to inp's device); qmoe only checks it, on the sync
@@ -335,9 +350,9 @@ def moe_permute_and_pad_with_probs(
     pad_offsets = torch.cumsum(pads, 0) - pads
     if num_out_tokens is None:  # TransformerEngine's form: N and the checks on one sync
         if C.is_compiling():
-            raise ValueError(f"{fn}: under torch.compile or torch.export pass num_out_tokens "
-                             "(an upper bound on the padded rows): counting them needs a "
-                             "host sync")
+            C.raise_error(ValueError(
+                f"{fn}: under torch.compile or torch.export pass num_out_tokens (an upper "
+                "bound on the padded rows): counting them needs a host sync"))
         e = counts.shape[0]
         on_dev = tokens_per_expert is not None and tokens_per_expert.device == counts.device
         host = torch.cat([counts, target, tokens_per_expert.long()] if on_dev

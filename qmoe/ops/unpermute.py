@@ -192,6 +192,8 @@ def moe_unpermute(
             CPU, with its other bounds; on CUDA the kernel checks the rows' range only).
         merging_probs: optional ``[T, E]`` (mask map) or ``[T, K]`` (index map) float
             weights (fp64 included; read as fp32); without it each kept route counts once.
+            Only the weights of kept routes are read: NaN there raises (a ``ValueError``
+            on CPU, a device assert on CUDA); other entries may hold anything.
         restore_shape: optional ``(T, H)``; checked against the map, never needed.
         map_type: ``"mask"`` or ``"index"``, as given to the permute (the map itself
             carries the probs columns, so this is only validated).
@@ -249,18 +251,42 @@ def moe_unpermute(
             )
     # On CUDA the merge kernel itself checks the rows it reads and the weights it uses
     # (no extra pass); elsewhere, check here.
-    if merging_probs is not None and not inp.is_cuda:
-        C.check_no_nan(fn, "merging_probs", merging_probs)
-    if row_id_map.numel() and num_slots(row_id_map) and not inp.is_cuda:
-        C.check_values(
-            fn, row_id_map[:, : num_slots(row_id_map)].max() < inp.shape[0],
-            "row_id_map points past the rows of inp; pass the permute's output (all N "
-            "rows) with the row_id_map built for it",
-        )
-        C.check_values(fn, _rows_named_once(row_id_map, inp.shape[0]),
-                       "row_id_map names an output row twice (the backward would keep one "
-                       "token's gradient for it); pass the row_id_map qmoe built")
+    if row_id_map.numel() and not inp.is_cuda:
+        _check_map_values(fn, row_id_map, inp.shape[0], merging_probs)
     return torch.ops.qmoe.unpermute(inp, row_id_map, merging_probs)
+
+
+def _check_map_values(fn: str, row_id_map: torch.Tensor, n: int,
+                      merging_probs: torch.Tensor | None) -> None:
+    """The map's values as the merge reads them (CPU: ``ValueError``s; under compile,
+    async asserts): each route count in ``[0, S]``, each kept route's row in ``[0, N)``
+    and named once, its probs column inside ``merging_probs``, and its weight not NaN.
+    Only kept routes are read: the other entries of ``merging_probs`` may hold anything
+    (TransformerEngine's tests give unrouted tokens 0/0 = NaN)."""
+    s = num_slots(row_id_map)
+    if s == 0:
+        return
+    count = row_id_map[:, 2 * s]
+    C.check_range(fn, count, 0, s + 1, f"row_id_map counts routes outside [0, {s}] (its "
+                  "slots); pass the row_id_map qmoe built")
+    kept = torch.arange(s, device=row_id_map.device) < count[:, None]
+    rows = row_id_map[:, :s]
+    C.check_values(fn, ~(kept & ((rows < 0) | (rows >= n))).any(),
+                   "row_id_map points past the rows of inp; pass the permute's output (all "
+                   "N rows) with the row_id_map built for it")
+    C.check_values(fn, _rows_named_once(row_id_map, n),
+                   "row_id_map names an output row twice (the backward would keep one "
+                   "token's gradient for it); pass the row_id_map qmoe built")
+    if merging_probs is None:
+        return
+    cols = row_id_map[:, s : 2 * s]
+    p = merging_probs.shape[1]
+    C.check_values(fn, ~(kept & ((cols < 0) | (cols >= p))).any(),
+                   f"row_id_map names probs columns outside [0, {p}); pass the row_id_map "
+                   "qmoe built with these merging_probs' routing")
+    w = merging_probs.gather(1, torch.where(kept & (cols >= 0) & (cols < p), cols, 0).long())
+    C.check_values(fn, ~(kept & w.isnan()).any(),
+                   "merging_probs holds NaN at a kept route; fix the router upstream")
 
 
 def _rows_named_once(row_id_map: torch.Tensor, n: int) -> torch.Tensor:

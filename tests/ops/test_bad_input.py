@@ -87,7 +87,8 @@ def _specific(op, name, g):
                            ("float tensor count", torch.tensor(7.0))],
         "num_experts": [("ids >= num_experts", 3), ("zero experts", 0)],
         "routing_map": [("ids below -1", g["ids"] - 3)] if "index" in op else
-                       [("probs-shaped float map", g["probs"])],
+                       [("probs-shaped float map", g["probs"]),
+                        ("expert ids in an integer mask", g["mask"].long() * 3)],
         "tokens_per_expert": [("counts that disagree", g["mask"].sum(0) + 1),
                               ("negative counts", -g["mask"].sum(0))],
         "align_size": [("zero alignment", 0), ("float alignment", 4.0)],

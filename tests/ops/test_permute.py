@@ -197,11 +197,12 @@ def test_strided_quantized_input(name):
 
 def test_integer_mask_and_int32_and_uint8_ids():
     x, ids, mask = _inputs(40, 16, 6, 2, "random")
-    a, _ = qmoe.moe_permute(x, mask.to(torch.int32))
     b, _ = qmoe.moe_permute(x, ids.to(torch.int32), map_type="index")
     c, _ = qmoe.moe_permute(x, mask)
-    assert_same_bits(a, c)
     assert_same_bits(b, c)
+    for dt in (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8):
+        for n in (None, 40 * 2):  # the syncing and the sync-free form
+            assert_same_bits(qmoe.moe_permute(x, mask.to(dt), n)[0][: int(mask.sum())], c)
     # uint8 expert ids (no -1 fits), as TransformerEngine accepts them: the same rows and map
     d, rd = qmoe.moe_permute(x, ids.to(torch.uint8), map_type="index")
     _, r64 = qmoe.moe_permute(x, ids, map_type="index")
@@ -285,3 +286,50 @@ def test_megatron_call_patterns():
     _, sp_out = qmoe.moe_sort_chunks_by_index_with_probs(x, sp, sizes, order)
     assert torch.equal(sp_out.cpu(), R.sort_chunks(x.cpu(), [10, 0, 30, 5], [2, 3, 0, 1],
                                                    sp.cpu())[1])
+
+
+@pytest.mark.parametrize("map_type", ["mask", "index", "pad"])
+def test_nan_probs_matter_only_at_kept_routes(map_type):
+    """One rule on every device: the probs (and merging probs) of kept routes must not be
+    NaN; entries of unrouted slots and dropped routes may hold anything, as
+    TransformerEngine's tests build them (0/0 = NaN for tokens with no route). The
+    refusal of a NaN at a kept route is a ValueError on CPU (a device assert on CUDA,
+    tested in test_kernels)."""
+    t, h, e, k = 37, 24, 6, 2
+    x, ids, mask = _inputs(t, h, e, k, "no_route_tokens")
+    rm = ids if map_type == "index" else mask
+    n = int(mask.sum()) - 5  # a few dropped routes
+    clean = torch.rand(t, rm.shape[1], device=DEV)
+
+    def permute(p):
+        if map_type == "pad":
+            out, pp, rid, _, _ = qmoe.moe_permute_and_pad_with_probs(x, p, rm, None, 4,
+                                                                      num_out_tokens=n)
+            return out, pp, rid
+        return qmoe.moe_permute_with_probs(x, p, rm, n, map_type="index" if map_type ==
+                                           "index" else "mask")
+
+    out, pp, rid = permute(clean)
+    s = (rid.shape[1] - 1) // 2
+    kept = torch.arange(s, device=DEV) < rid[:, 2 * s :]
+    p = clean.shape[1]  # unkept slots write a scratch column
+    cols = torch.where(kept, rid[:, s : 2 * s], p).long()
+    kept_entries = torch.zeros(t, p + 1, dtype=torch.bool, device=DEV).scatter_(
+        1, cols, True)[:, :p]
+    assert (~kept_entries).any() and (rm != (-1 if map_type == "index" else 0)).sum() > (
+        kept_entries.sum())  # unrouted and dropped entries both exist
+    dirty = torch.where(kept_entries, clean, float("nan"))
+    got = permute(dirty)
+    for a, b in zip(got, (out, pp, rid)):
+        assert_same_bits(a, b)
+    y = torch.randn_like(out)
+    assert_same_bits(qmoe.moe_unpermute(y, rid, dirty), qmoe.moe_unpermute(y, rid, clean))
+    if DEV == "cuda":
+        return
+    one = dirty.clone()
+    r, c = kept_entries.nonzero()[len(kept_entries.nonzero()) // 2]
+    one[r, c] = float("nan")
+    with pytest.raises(ValueError, match="probs holds NaN at a kept route"):
+        permute(one)
+    with pytest.raises(ValueError, match="moe_unpermute: merging_probs holds NaN at a kept"):
+        qmoe.moe_unpermute(y, rid, one)
