@@ -336,6 +336,11 @@ def moe_permute_and_pad_with_probs(
     if tokens_per_expert is not None:
         # on the CPU or inp's device: Megatron's DeepEP path builds it on the CPU
         # (TransformerEngine moves it to inp's device); qmoe only checks it, on the sync
+        if isinstance(tokens_per_expert, torch.Tensor) and (
+                tokens_per_expert.dtype.is_floating_point):
+            raise TypeError(f"{fn}: tokens_per_expert must hold integer counts, got "
+                            f"{tokens_per_expert.dtype}; pass tokens_per_expert.long() (or "
+                            "None: the mask's column counts)")
         C.check_tensor(fn, "tokens_per_expert", tokens_per_expert, ndim=1, dtypes=C._INTS)
         if tokens_per_expert.device.type != "cpu":
             C.check_same_device(fn, "inp", inp, tokens_per_expert=tokens_per_expert)

@@ -9,6 +9,7 @@ x = torch.randn(6, 8)
 mask = torch.zeros(6, 4, dtype=torch.bool)
 mask[:, 0] = True
 ids = torch.zeros(6, 2, dtype=torch.long)
+_rid = qmoe.moe_permute(x, mask)[1]  # [6, 9]: every token to expert 0
 
 
 @pytest.mark.parametrize(
@@ -38,6 +39,14 @@ ids = torch.zeros(6, 2, dtype=torch.long)
         (lambda: qmoe.moe_permute_and_pad_with_probs(x, torch.rand(6, 2), ids + 3, None, 4,
                                                      num_out_tokens=24),
          ValueError, "other than 0 and 1"),
+        (lambda: qmoe.moe_permute_and_pad_with_probs(x, torch.rand(6, 4), mask,
+                                                     mask.sum(0).float(), 4),
+         TypeError, r"pass tokens_per_expert.long\(\)"),
+        (lambda: qmoe.moe_unpermute(x, torch.cat([_rid[:, :-1], _rid[:, -1:] + 9], 1)),
+         ValueError, r"^moe_unpermute: row_id_map counts routes outside \[0, 4\]"),
+        (lambda: qmoe.moe_unpermute(x, torch.cat([_rid[:, :4], _rid[:, 4:8] + 4, _rid[:, 8:]],
+                                                 1), torch.rand(6, 4)),
+         ValueError, r"^moe_unpermute: row_id_map names probs columns outside \[0, 4\)"),
         (lambda: qmoe.moe_permute(x, ids - 2, map_type="index"), ValueError, "expert id -2"),
         (lambda: qmoe.moe_permute(x, ids - 2, 4, map_type="index"), ValueError, ">= -1"),
         (lambda: qmoe.moe_permute(x, ids + 5, map_type="index", num_experts=4), ValueError,
