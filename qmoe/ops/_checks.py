@@ -4,6 +4,7 @@ device tensors either ride on a host sync the call makes anyway, or become
 
 from __future__ import annotations
 
+import functools
 import operator
 
 import torch
@@ -66,6 +67,22 @@ def raise_error(exc: Exception):
     if torch.compiler.is_dynamo_compiling():
         _raise_at_trace_time(type(exc), str(exc))
     raise exc
+
+
+def user_errors(fn):
+    """Decorator of a public function: its argument refusals (``ValueError``,
+    ``TypeError``) reach the user through ``raise_error``, so that under
+    ``fullgraph=True`` qmoe's message is the first line of Dynamo's error. In eager mode
+    the same exception propagates unchanged."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (ValueError, TypeError) as e:
+            raise_error(e)
+
+    return wrapper
 
 
 def check_tensor(fn: str, name: str, x, *, ndim: int | None = None, dtypes=None, fix: str = ""):

@@ -131,9 +131,9 @@ def _out_rows(fn, inp, routing_map, map_type, num_out_tokens, num_experts, align
     n = C.check_num_out_tokens(fn, num_out_tokens)
     if n is None:
         if C.is_compiling():
-            C.raise_error(ValueError(
+            raise ValueError(
                 f"{fn}: under torch.compile or torch.export pass num_out_tokens (an int "
-                "bound, e.g. T*K): counting the routed rows needs a host sync"))
+                "bound, e.g. T*K): counting the routed rows needs a host sync")
         n, _ = _routed_count(fn, routing_map, map_type, num_experts, align_size)
     elif map_type == "index":
         _check_index_ids(fn, routing_map, num_experts)
@@ -192,6 +192,7 @@ def _run_permute(inp, probs, routing_map, map_type, n, num_experts, quantize, qu
     return out, pp, rid
 
 
+@C.user_errors
 def moe_permute(
     inp: torch.Tensor,
     routing_map: torch.Tensor,
@@ -257,6 +258,7 @@ def moe_permute(
     return out, rid
 
 
+@C.user_errors
 def moe_permute_with_probs(
     inp: torch.Tensor,
     probs: torch.Tensor,
@@ -284,6 +286,7 @@ def moe_permute_with_probs(
                     quantize, quantize_scale)
 
 
+@C.user_errors
 def moe_permute_and_pad_with_probs(
     inp: torch.Tensor,
     probs: torch.Tensor,
@@ -355,9 +358,9 @@ def moe_permute_and_pad_with_probs(
     pad_offsets = torch.cumsum(pads, 0) - pads
     if num_out_tokens is None:  # TransformerEngine's form: N and the checks on one sync
         if C.is_compiling():
-            C.raise_error(ValueError(
+            raise ValueError(
                 f"{fn}: under torch.compile or torch.export pass num_out_tokens (an upper "
-                "bound on the padded rows): counting them needs a host sync"))
+                "bound on the padded rows): counting them needs a host sync")
         e = counts.shape[0]
         on_dev = tokens_per_expert is not None and tokens_per_expert.device == counts.device
         host = torch.cat([counts, target, tokens_per_expert.long()] if on_dev

@@ -330,6 +330,7 @@ def _check(fn, inp, split_sizes, sorted_index, probs):
                        f"sorted_index must be a permutation of 0..{c - 1} (each chunk once)")
 
 
+@C.user_errors
 def moe_sort_chunks_by_index(
     inp: torch.Tensor, split_sizes: torch.Tensor, sorted_index: torch.Tensor
 ) -> torch.Tensor:
@@ -344,6 +345,7 @@ def moe_sort_chunks_by_index(
     return torch.ops.qmoe.sort_chunks(inp, split_sizes, sorted_index, None)[0]
 
 
+@C.user_errors
 def moe_sort_chunks_by_index_with_probs(
     inp: torch.Tensor, probs: torch.Tensor, split_sizes: torch.Tensor, sorted_index: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -174,6 +174,7 @@ def _backward(ctx, grad):
 _unpermute.register_autograd(_backward, setup_context=_setup)
 
 
+@C.user_errors
 def moe_unpermute(
     inp: torch.Tensor,
     row_id_map: torch.Tensor,
