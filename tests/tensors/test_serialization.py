@@ -194,6 +194,15 @@ def test_state_cannot_replace_other_fields(field, value):
     _refused(_ours(_blockwise(), **{field: value}), field)
 
 
+def test_state_may_repeat_fields_unchanged():
+    q = _blockwise()
+    obj = _ours(q, scale=q.scale.clone(), orig_dtype=q.dtype, block_size=32, tag="w")
+    for how in LOADS:
+        out = LOADS[how](_saved(obj))
+        assert_same_quantized(out, q)
+        assert out.tag == "w"
+
+
 def test_state_cannot_give_a_per_tensor_type_blocks():
     _refused(_ours(_per_tensor(), block_size=32), "block_size")
     _refused(_ours(qmoe.quantize(torch.randn(2, 64), qmoe.MXFP8()), block_size=16), "block_size")
