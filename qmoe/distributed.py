@@ -11,9 +11,10 @@ experts (expert ``e`` lives on rank ``e // L``), R rows received by a rank.
 4. ``moe_sort_chunks_by_index`` regroups the received chunks by local expert.
 
 ``combine`` runs it backwards: sort back, all-to-all back, ``moe_unpermute`` with the
-router probs as merging probs. FP8 inputs (``qmoe.quantize`` output) travel quantized:
-``qdata`` bits and block-scale rows are sent as their own tensors and rewrapped on
-arrival (about half the bytes of bf16). Per-tensor scales differ between ranks, so rank j
+router probs as merging probs. FP8 inputs (``qmoe.quantize`` output) travel quantized
+through the op ``qmoe::all_to_all_rows``, whose passthrough rule sends ``qdata`` bits and
+block-scale rows as their own tensors and rewraps them on arrival (about half the bytes of
+bf16). Per-tensor scales differ between ranks, so rank j
 rescales its rows by ``s_j / max(s)`` before sending (one fp8 rounding; bit-exact when all
 scales are equal, e.g. with a globally agreed scale). Autograd runs through the whole path: the
 backward of an all-to-all is the reverse all-to-all, on high-precision gradients.
@@ -22,7 +23,8 @@ Host syncs: the default path reads the split sizes on the host once per ``dispat
 (one ``.tolist()`` of the exchanged counts; ``combine`` reuses them). With
 ``capacity=C`` nothing is read on the host: every rank sends exactly C rows to every
 rank (zero rows pad, rows past C are dropped and merge as zero), so the splits are static
-and the whole path can be captured in a CUDA graph.
+and the whole path can be captured in a CUDA graph. That form compiles with
+``torch.compile(fullgraph=True)``, bf16 and FP8 alike (docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -32,12 +34,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from qmoe._library import define
 from qmoe.ops import moe_permute, moe_sort_chunks_by_index, moe_unpermute
 from qmoe.ops._checks import ID_LIMIT
 from qmoe.ops.row_id_map import _compact, num_slots
-from qmoe.tensors.base import QuantizedTensor
+from qmoe.tensors.base import QuantizedTensor, register_passthrough
 
 __all__ = ["dispatch", "combine", "DispatchHandle", "TokenDispatcher", "wire_bytes_per_row"]
+
+_c10d = torch.ops._c10d_functional  # functional collectives (traced by torch.compile)
 
 
 # ----------------------------------------------------------------- all-to-all
@@ -47,38 +52,93 @@ def _a2a_plain(x: torch.Tensor, out_splits, in_splits, group) -> torch.Tensor:
     return out
 
 
-def _a2a_rows(x: torch.Tensor, out_splits, in_splits, group) -> torch.Tensor:
-    """All-to-all of rows; quantized rows travel as fp8 bits plus scale rows."""
-    if not isinstance(x, QuantizedTensor):
-        return _a2a_plain(x, out_splits, in_splits, group)
+def _a2a_functional(t: torch.Tensor, out_splits, in_splits, group_name: str) -> torch.Tensor:
+    """All-to-all of rows through the functional collectives (the ops Dynamo turns
+    ``dist.all_to_all_single`` into): traced under ``torch.compile``, run in eager."""
+    out = _c10d.all_to_all_single(t.contiguous(), out_splits, in_splits, group_name)
+    return _c10d.wait_tensor(out)
+
+
+@define(
+    "all_to_all_rows(Tensor x, SymInt[] out_splits, SymInt[] in_splits, str group_name) "
+    "-> Tensor"
+)
+def _all_to_all_rows(x, out_splits, in_splits, group_name):
+    """All-to-all of the rows of ``x`` (differentiable: the backward is the reverse
+    all-to-all). The op quantized rows take: its passthrough rule below moves them as fp8
+    bits plus scales, so Dynamo keeps the quantized tensor at this call and AOTAutograd
+    desugars it through the rule (docs/design.md), as for the permutation ops."""
+    return _a2a_functional(x, out_splits, in_splits, group_name)
+
+
+@_all_to_all_rows.register_fake
+def _(x, out_splits, in_splits, group_name):
+    return x.new_empty((sum(out_splits), *x.shape[1:]))
+
+
+def _a2a_rows_setup(ctx, inputs, output):
+    ctx.splits = inputs[1:]
+
+
+def _a2a_rows_backward(ctx, grad):
+    out_splits, in_splits, group_name = ctx.splits
+    if isinstance(grad, QuantizedTensor):
+        grad = grad._dequantize_raw()
+    return _a2a_functional(grad, in_splits, out_splits, group_name), None, None, None
+
+
+_all_to_all_rows.register_autograd(_a2a_rows_backward, setup_context=_a2a_rows_setup)
+
+
+def _a2a_rows_args(x, out_splits, in_splits, group_name):
+    return x, out_splits, in_splits, group_name
+
+
+@register_passthrough(torch.ops.qmoe.all_to_all_rows.default)
+def _a2a_quantized(func, args, kwargs):
+    """Quantized rows travel as fp8 bits plus scale rows, rewrapped on arrival."""
+    x, out_splits, in_splits, group_name = _a2a_rows_args(*args, **kwargs)
     if x.block_size is not None:
-        bits = _a2a_plain(x.qdata.view(torch.uint8), out_splits, in_splits, group)
-        scale = _a2a_plain(x.raw_scale, out_splits, in_splits, group)
+        bits = _a2a_functional(x.qdata.view(torch.uint8), out_splits, in_splits, group_name)
+        scale = _a2a_functional(x.raw_scale, out_splits, in_splits, group_name)
         return x._rewrap(bits.view(x.fp8_dtype), scale)
     # Per-tensor: one scale per sender. Every sender brings its rows to the largest scale
     # before sending (one fp8 rounding), so the receiver needs no per-row sender index:
     # nothing is read on the host and the capacity path stays capturable.
-    world = dist.get_world_size(group)
-    parts = [x.raw_scale.new_empty(1) for _ in range(world)]
-    dist.all_gather(parts, x.raw_scale.reshape(1).contiguous(), group=group)
-    s_max = torch.cat(parts).amax()
+    world = len(out_splits)
+    s = x.raw_scale.reshape(1).contiguous()
+    s_max = _c10d.wait_tensor(_c10d.all_gather_into_tensor(s, world, group_name)).amax()
     q = (x.qdata.float() * (x.raw_scale.reshape(()) / s_max)).to(x.fp8_dtype)
-    bits = _a2a_plain(q.view(torch.uint8), out_splits, in_splits, group)
+    bits = _a2a_functional(q.view(torch.uint8), out_splits, in_splits, group_name)
     return x._rewrap(bits.view(x.fp8_dtype), s_max)
 
 
 class _AllToAll(torch.autograd.Function):
+    """All-to-all of plain rows (``dist.all_to_all_single``, which Dynamo traces as a
+    functional collective)."""
+
     @staticmethod
     def forward(ctx, x, out_splits, in_splits, group):
         ctx.splits = (out_splits, in_splits, group)
-        return _a2a_rows(x, out_splits, in_splits, group)
+        return _a2a_plain(x, out_splits, in_splits, group)
 
     @staticmethod
     def backward(ctx, grad):
         out_splits, in_splits, group = ctx.splits
-        if isinstance(grad, QuantizedTensor):
-            grad = grad._dequantize_raw()
         return _a2a_plain(grad, in_splits, out_splits, group), None, None, None
+
+
+def _all_to_all(x: torch.Tensor, out_splits, in_splits, group) -> torch.Tensor:
+    """Differentiable all-to-all of rows: plain rows through ``_AllToAll``, quantized rows
+    through ``qmoe::all_to_all_rows``. Quantized rows must not meet Python code of their
+    class inside a compiled region: Dynamo sees a quantized tensor made there as a plain
+    tensor variable whose properties (``raw_scale``) and methods it does not run, and an
+    ``autograd.Function`` with a quantized output gets a quantized gradient guess from Dynamo
+    in its backward, where AOTAutograd then passes a plain one."""
+    if isinstance(x, QuantizedTensor):
+        name = (dist.group.WORLD if group is None else group).group_name
+        return torch.ops.qmoe.all_to_all_rows(x, out_splits, in_splits, name)
+    return _AllToAll.apply(x, out_splits, in_splits, group)
 
 
 def _counts_a2a(counts: torch.Tensor, group) -> torch.Tensor:
@@ -180,7 +240,7 @@ def dispatch(
         send_splits = recv_splits = [c] * world
         order, inverse = _group_order(world, num_local_experts, dev, pad=True)
         recv_counts = recv_kept.reshape(-1)
-    received = _AllToAll.apply(out, recv_splits, send_splits, group)
+    received = _all_to_all(out, recv_splits, send_splits, group)
     grouped = moe_sort_chunks_by_index(received, sizes, order)
     tokens_per_local_expert = recv_counts.view(world, num_local_experts).sum(0)
     handle = DispatchHandle(
@@ -199,7 +259,7 @@ def combine(expert_output: torch.Tensor, handle: DispatchHandle) -> torch.Tensor
         raise ValueError(f"combine: expert_output must be [{rows}, H] (one row per row "
                          f"dispatch returned), got {tuple(expert_output.shape)}")
     back = moe_sort_chunks_by_index(expert_output, h.grouped_sizes, h.back_index)
-    home = _AllToAll.apply(back, h.send_splits, h.recv_splits, h.group)
+    home = _all_to_all(back, h.send_splits, h.recv_splits, h.group)
     return moe_unpermute(home, h.row_id_map, h.probs)
 
 
