@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from qmoe._library import define
 from qmoe.ops import moe_permute, moe_sort_chunks_by_index, moe_unpermute
-from qmoe.ops._checks import ID_LIMIT
+from qmoe.ops._checks import ID_LIMIT, MASK_FROM_IDS, check_mask_values
 from qmoe.ops.row_id_map import _compact, num_slots
 from qmoe.tensors.base import QuantizedTensor, register_passthrough
 
@@ -191,7 +191,8 @@ def dispatch(
     Args:
         x: ``[T, H]`` high precision, or a qmoe FP8 tensor (travels quantized).
         probs: ``[T, E]`` router probs used as merging probs in ``combine`` (or None).
-        routing_map: ``[T, E]`` bool / 0-1 mask over the E = W * L global experts.
+        routing_map: ``[T, E]`` bool, or integer holding only 0 and 1 (other values
+            raise), over the E = W * L global experts.
         num_local_experts: L.
         capacity: rows each rank sends to each rank; ``None`` sends exactly the routed
             rows (one host sync for the split sizes), an int is sync-free (padded with
@@ -203,6 +204,7 @@ def dispatch(
     """
     if routing_map.dim() != 2:
         raise ValueError(f"dispatch: routing_map must be [T, E], got {tuple(routing_map.shape)}")
+    check_mask_values("dispatch", routing_map, MASK_FROM_IDS)
     world = dist.get_world_size(group)
     e = routing_map.shape[1]
     if num_local_experts < 1 or e != world * num_local_experts:

@@ -324,3 +324,12 @@ def test_fp8_dispatch_combine_compiles_two_ranks():
     print(f"[qmoe] distributed compile seed={seed}")
     mp.spawn(_compile_worker, args=(2, _free_port(), seed, ["pertensor"], 9), nprocs=2,
              join=True)
+
+
+def test_dispatch_refuses_expert_ids_as_a_mask():
+    """An integer routing_map must be a 0/1 mask: [T, K] expert ids taken as one would send
+    tokens to the wrong ranks (checked before any collective, so no group is needed)."""
+    x = torch.randn(6, H)
+    ids = torch.randint(0, 2 * L, (6, 2))
+    with pytest.raises(ValueError, match=r"dispatch: routing_map .* other than 0 and 1"):
+        dispatch(x, None, ids, L)
