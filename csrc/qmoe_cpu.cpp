@@ -698,7 +698,10 @@ void quantize_rows_impl(const Tensor& x, Tensor& q, Tensor& s, int64_t bs, int64
           uint32_t bits;
           std::memcpy(&bits, &amax, 4);
           const int32_t ex = static_cast<int32_t>((bits >> 23) & 0xFF) - 127;
-          int32_t biased = std::min<int32_t>(std::max<int32_t>(ex - emax, -127), 128) + 127;
+          // a nonzero block stops at byte 1, the divisor 2**-126 used below (byte 0,
+          // 2**-127, would halve it); an all-zero block keeps byte 0
+          const int32_t low = amax > 0.f ? -126 : -127;
+          int32_t biased = std::min<int32_t>(std::max<int32_t>(ex - emax, low), 128) + 127;
           if (nan) biased = 255;
           s.data_ptr<uint8_t>()[i * nb + blk] = static_cast<uint8_t>(biased);
           const uint32_t sb = static_cast<uint32_t>(biased) << 23;

@@ -78,7 +78,11 @@ def _reference_blocks(x, block_size, fp8_dtype, scale_mode):
     amax = xb.abs().amax(-1) if xb.numel() else xb.new_zeros(xb.shape[:-1])
     if scale_mode == "mx_floor":
         exp = ((amax.view(torch.int32) >> 23) & 0xFF) - 127
-        biased = (exp - _emax_elem(fp8_dtype)).clamp(-127, 128) + 127
+        # a nonzero block's exponent stops at -126 (byte 1): its elements are divided by
+        # 2**-126 (below, as torchao), and byte 0 (2**-127) would give them back at half
+        # their value; an all-zero block keeps byte 0
+        low = (amax > 0).int() - 127  # int32, as exp
+        biased = torch.maximum(exp - _emax_elem(fp8_dtype), low).clamp(max=128) + 127
         biased = torch.where(amax.isnan(), 255, biased)
         scale_out = biased.to(torch.uint8)  # e8m0 bits
         divisor = (biased << 23).view(torch.float32).clamp(min=_F32_MIN_NORMAL)

@@ -73,9 +73,13 @@ class MXFP8:
     ``scale_rounding="floor"`` is the spec's rule, ``X = 2 ** (floor(log2(amax)) -
     emax_elem)`` with ``emax_elem`` 8 (e4m3) or 15 (e5m2), the exponent clamped to the
     e8m0 range and NaN blocks given the NaN scale 255. Elements are ``x / X`` saturated
-    to +-fp8_max and rounded to nearest even. This matches torchao's
-    ``MXTensor.to_mx(..., scaling_mode=ScaleCalculationMode.FLOOR)`` bit for bit,
-    including its use of ``max(X, 2**-126)`` as the divisor for all-zero blocks.
+    to +-fp8_max and rounded to nearest even. The divisor is ``max(X, 2**-126)`` (as
+    torchao's: fp32 ``2**-127`` is subnormal), and the stored byte is the divisor used: a
+    nonzero block whose exponent falls below -126 (amax < ``2**-118`` e4m3, ``2**-111``
+    e5m2) stores byte 1 where the spec gives 0; an all-zero block keeps byte 0. Against
+    torchao's ``MXTensor.to_mx(..., scaling_mode=ScaleCalculationMode.FLOOR)``: the same
+    fp8 bits everywhere, the same scale bytes except in those nonzero blocks, where
+    torchao stores 0 and so dequantizes them at half their value.
     """
 
     fp8_dtype: torch.dtype = torch.float8_e4m3fn

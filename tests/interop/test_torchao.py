@@ -20,7 +20,7 @@ import qmoe  # noqa: E402
 from qmoe.interop.torchao import _parts  # noqa: E402
 from qmoe.ops import reference as R  # noqa: E402
 from tests.ops.helpers import routing  # noqa: E402
-from tests.tensors.helpers import assert_same_bits  # noqa: E402
+from tests.tensors.helpers import assert_same_bits, tiny_mx_blocks  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -195,6 +195,20 @@ def test_conventions_and_zero_copy_conversions():
         q = qmoe.quantize(x, recipe)
         a = qmoe.to_torchao(q, cls)
         torch.testing.assert_close(deq64(a), q.dequantize(torch.float64), rtol=2**-22, atol=0)
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_mx_tiny_blocks_through_torchao(fp8):
+    """MX blocks below the OCP exponent -126 (qmoe's byte 1) and all-zero blocks (byte 0):
+    the zero-copy MXTensor of qmoe's bytes dequantizes exactly in torchao, and back."""
+    x, _ = tiny_mx_blocks(fp8)
+    q = qmoe.quantize(x, qmoe.MXFP8(fp8))
+    a = qmoe.to_torchao(q, MXTensor)
+    assert a.qdata.data_ptr() == q.qdata.data_ptr()
+    assert torch.equal(a.dequantize(torch.float32), x)
+    back = qmoe.from_torchao(a)
+    assert_same_bits(back.qdata, q.qdata)
+    assert_same_bits(back.scale_bits, q.scale_bits)
 
 
 @pytest.mark.parametrize("make,what", [

@@ -7,7 +7,7 @@ import torch
 import qmoe
 from qmoe.ops import reference as R
 from tests.ops.helpers import assert_bf16_merge, last_routed_row, routing
-from tests.tensors.helpers import RECIPES, assert_same_bits
+from tests.tensors.helpers import RECIPES, assert_same_bits, tiny_mx_blocks
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 FP8_RECIPES = {k: v for k, v in RECIPES.items() if "pow2" not in k}
@@ -155,3 +155,34 @@ def test_unpermute_of_quantized_rows_backward(name):
     qmoe.moe_unpermute(out_e, rid_e, w.detach()).backward(g)
     assert x.grad.dtype == torch.float32
     torch.testing.assert_close(x.grad, xe.grad, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("path", ["op", "torch", "triton"])
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_mx_merge_of_tiny_blocks(request, path, fp8):
+    """The FP8 merge of MX rows whose blocks lie below the OCP exponent -126 (byte 1) or
+    are all zero (byte 0, read as 2**-127): each token's two halves add up to it exactly.
+    ``op``: ``moe_unpermute`` on this machine's path (CPU: the C++ kernels when built);
+    ``torch`` / ``triton``: the merge launcher on the torch path / the Triton kernel."""
+    from qmoe.ops import backend as B
+    from qmoe.ops.fp8 import _bits, _layout
+
+    dev = request.getfixturevalue("kdevice") if path == "triton" else DEV
+    x, _ = tiny_mx_blocks(fp8)
+    t = x.shape[0]
+    _, mask = routing(t, 4, 2, "random", dev)
+    half = torch.where(mask, 0.5, 0.0)
+
+    def merge(q, rid):
+        if path == "op":
+            return qmoe.moe_unpermute(q, rid, half)
+        return B.unpermute_fp8_rows(_bits(q), q.raw_scale, _layout(q), 32, fp8, rid, half,
+                                    torch.float32, use_triton=path == "triton")
+
+    out, rid = qmoe.moe_permute(qmoe.quantize(x.to(dev), qmoe.MXFP8(fp8)), mask, 2 * t)
+    assert torch.equal(merge(out, rid).cpu(), x)
+    # byte 0 is 2**-127 (not zero) where it scales nonzero elements, as OCP MX defines it
+    q0 = qmoe.MXFP8Tensor(torch.full((t, 32), 128.0, device=dev).to(fp8),
+                          torch.zeros(t, 1, dtype=torch.uint8, device=dev), torch.float32)
+    out, rid = qmoe.moe_permute(q0, mask, 2 * t)
+    assert torch.equal(merge(out, rid).cpu(), torch.full((t, 32), 2.0**-120))

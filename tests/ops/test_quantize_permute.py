@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import qmoe
+from qmoe.ops import reference as R
 from qmoe.ops.quantize_permute import (
     _two_step,
     quantize_permute_mask_triton,
@@ -15,7 +16,12 @@ from qmoe.ops.quantize_permute import (
 from qmoe.ops.row_id_map import MapTiling
 from qmoe.tensors.quantize import _scale_mode, per_tensor_scale
 from tests.ops.helpers import reference_routes, routing
-from tests.tensors.helpers import RECIPES, assert_same_bits, assert_same_quantized
+from tests.tensors.helpers import (
+    RECIPES,
+    assert_same_bits,
+    assert_same_quantized,
+    tiny_mx_blocks,
+)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -163,6 +169,41 @@ def test_mask_kernel_matches_map_then_fused(kdevice, recipe, t, h, e, k, kind, a
         assert_same_bits(got[3], rid)
         for a, b in zip(got[:3], want):
             assert_same_bits(a, b)
+
+
+def _tiny_routes(fp8):
+    """MX blocks below the OCP exponent -126 (``tiny_mx_blocks``), each token sent to two
+    experts, and the rows and scale bytes the permute must give (reference permute)."""
+    x, want = tiny_mx_blocks(fp8)
+    _, mask = routing(x.shape[0], 4, 2, "random")
+    n = 2 * x.shape[0]
+    rows = R.permute(x, mask, "mask", n)[0]
+    return x, mask, n, rows, R.permute(want, mask, "mask", n)[0]
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fused_kernels_mx_tiny_blocks(kdevice, fp8):
+    """The fused kernels store byte 1 (the divisor 2**-126 they used) for nonzero MX blocks
+    below the OCP exponent -126, byte 0 for all-zero ones: the rows dequantize exactly."""
+    x, mask, n, rows, bytes_ = _tiny_routes(fp8)
+    x, mask = x.to(kdevice), mask.to(kdevice)
+    rid, fill = torch.ops.qmoe.make_row_id_map(mask, n, False, 1)
+    args = (32, fp8, "mx_floor", None)
+    for q, s, _ in (quantize_permute_triton(x, rid, None, n, *args, poison=True),
+                    quantize_permute_triton(x, rid, None, n, *args, fill, poison=True),
+                    quantize_permute_mask_triton(x, mask, n, 1, None, *args, poison=True)[:3]):
+        assert_same_bits(s.cpu(), bytes_)
+        assert torch.equal(qmoe.MXFP8Tensor(q.cpu(), s.cpu(), torch.float32).dequantize(), rows)
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_public_quantize_mx_tiny_blocks(fp8):
+    """``moe_permute(..., quantize=qmoe.MXFP8())`` on this machine's path (CPU: the op's
+    two steps on the C++ kernels when built): tiny MX blocks dequantize exactly."""
+    x, mask, n, rows, bytes_ = _tiny_routes(fp8)
+    out, _ = qmoe.moe_permute(x.to(DEV), mask.to(DEV), n, quantize=qmoe.MXFP8(fp8))
+    assert_same_bits(out.scale_bits.cpu(), bytes_)
+    assert torch.equal(out.dequantize().cpu(), rows)
 
 
 def test_mask_kernel_no_tokens_or_experts(kdevice):

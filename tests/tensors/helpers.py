@@ -56,3 +56,21 @@ def assert_same_quantized(a, b) -> None:
 def sqnr_db(x: torch.Tensor, y: torch.Tensor) -> float:
     x, y = x.double(), y.double()
     return (20 * torch.log10(x.norm() / (x - y).norm())).item()
+
+
+def tiny_mx_blocks(fp8: torch.dtype, dtype: torch.dtype = torch.float32):
+    """``(x [3, 64], want)``: MX blocks whose amax is below ``2**-118`` (e4m3) or
+    ``2**-111`` (e5m2), where the OCP exponent ``floor(log2(amax)) - emax_elem`` falls below
+    -126, beside all-zero blocks (``+0`` and ``-0``) and blocks at that bound. Every value
+    is exact after quantization with the divisor ``2**-126``; ``want`` is each block's e8m0
+    byte: 1 (``2**-126``, the divisor used) for a nonzero block, 0 for an all-zero one."""
+    v = 2.0**-120 if fp8 == torch.float8_e4m3fn else 2.0**-113
+    edge = 2.0**-118 if fp8 == torch.float8_e4m3fn else 2.0**-111
+    x = torch.zeros(3, 64)
+    x[0, :32] = v
+    x[1, :32] = torch.tensor([v, -(2.0**-125), 2.0**-125, -v] * 8)
+    x[1, 32:] = -0.0
+    x[2, :32] = torch.tensor([2.0**-130, -(2.0**-133), 2.0**-127, 0.0] * 8)  # fp32 subnormals
+    x[2, 32:] = edge
+    want = torch.tensor([[1, 0], [1, 0], [1, 1]], dtype=torch.uint8)
+    return x.to(dtype), want

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 import qmoe
+from qmoe.tensors.quantize import _reference_blocks
 from qmoe.tensors.recipes import fp8_max
-from tests.tensors.helpers import LAYOUTS, RECIPES, assert_same_bits, sqnr_db
+from tests.tensors.helpers import LAYOUTS, RECIPES, assert_same_bits, sqnr_db, tiny_mx_blocks
 
 HS = [1, 17, 127, 129, 7168]
 
@@ -90,11 +91,30 @@ def test_mx_scale_is_ocp_floor(fp8):
     amax = x.reshape(16, 3, 32).abs().amax(-1)
     mant, exp = torch.frexp(amax)  # amax = mant * 2**exp, mant in [0.5, 1)
     emax = 8 if fp8 == torch.float8_e4m3fn else 15
-    want = (exp - 1 - emax).clamp(-127, 127) + 127
+    want = (exp - 1 - emax).clamp(-126, 127) + 127  # a nonzero block's byte is >= 1
     want[3] = 0  # all-zero block: the smallest scale
     assert torch.equal(q.scale.view(torch.uint8).long(), want.long())
     # Elements never exceed the format's range and no finite input becomes NaN.
     assert not q.qdata.float().isnan().any()
+
+
+@pytest.mark.parametrize("path", ["op", "torch"])
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mx_tiny_blocks_dequantize_exactly(path, fp8, dtype):
+    """Nonzero MX blocks whose OCP exponent falls below -126 (amax < 2**-118 for e4m3,
+    2**-111 for e5m2) are divided by 2**-126 and store that scale, byte 1: they come back
+    exactly (byte 0, 2**-127, gave them back at half their value). All-zero blocks keep
+    byte 0. ``op``: ``qmoe.quantize`` on this machine's CPU backend (the C++ kernels when
+    built); ``torch``: the vectorized torch path."""
+    x, want = tiny_mx_blocks(fp8, dtype)
+    if path == "op":
+        q = qmoe.quantize(x, qmoe.MXFP8(fp8))
+        qdata, bits = q.qdata, q.scale_bits
+    else:
+        qdata, bits = _reference_blocks(x, 32, fp8, "mx_floor")
+    assert torch.equal(bits, want)
+    assert torch.equal(qmoe.MXFP8Tensor(qdata, bits, dtype).dequantize(), x)
 
 
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])

@@ -9,7 +9,7 @@ import torch
 
 import qmoe
 from qmoe.tensors.quantize import _reference_blocks, _saturate_cast, quantize_rows_triton
-from tests.tensors.helpers import RECIPES, assert_same_bits
+from tests.tensors.helpers import RECIPES, assert_same_bits, tiny_mx_blocks
 
 MODES = [
     ("amax", 128), ("pow2", 128), ("mx_floor", 32), ("amax", 32), ("pow2", 64),
@@ -69,6 +69,17 @@ def test_kernel_bf16_subnormal_inputs(kdevice, fp8, mode, bs):
     qr, sr = _reference_blocks(x, bs, fp8, mode)
     assert_same_bits(q.cpu(), qr)
     assert_same_bits(s.cpu(), sr)
+
+
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_mx_tiny_blocks(kdevice, fp8, dtype):
+    """Nonzero MX blocks below the OCP exponent -126 store byte 1, the divisor 2**-126
+    the kernel used, and dequantize exactly; all-zero blocks store byte 0."""
+    x, want = tiny_mx_blocks(fp8, dtype)
+    q, s = _poisoned_run(x.to(kdevice), 32, fp8, "mx_floor")
+    assert_same_bits(s.cpu(), want)
+    assert torch.equal(qmoe.MXFP8Tensor(q.cpu(), s.cpu(), dtype).dequantize(), x)
 
 
 @pytest.mark.parametrize("fp8", FP8)

@@ -100,7 +100,10 @@ def quantize_tile(
         if SCALE_MODE == 2:  # SCALE_MX_FLOOR
             # OCP MX: the block's largest power of two over the element format's.
             exp = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-            biased = tl.minimum(tl.maximum(exp - EMAX_ELEM, -127), 128) + 127
+            # a nonzero block stops at byte 1, the divisor 2**-126 used below (byte 0,
+            # 2**-127, would halve it); an all-zero block keeps byte 0
+            low = tl.where(amax > 0, -126, -127)
+            biased = tl.minimum(tl.maximum(exp - EMAX_ELEM, low), 128) + 127
             biased = tl.where(amax != amax, 255, biased)
             stored = biased.to(tl.uint8)
             scale = (biased << 23).to(tl.float32, bitcast=True)
