@@ -158,10 +158,6 @@ def quantize_rows_triton(
     from qmoe.tensors._kernels.quantize import quantize_rows_kernel
 
     h = x.shape[-1]
-    x2 = x.reshape(-1, h)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    r = x2.shape[0]
     nb = _num_blocks(h, block_size)
     if scale_mode == "given":
         mode = 3
@@ -175,8 +171,12 @@ def quantize_rows_triton(
             s_out = torch.empty((*x.shape[:-1], nb), dtype=sdt, device=x.device)
         else:
             q, s_out = out
-    if q.numel() == 0:
+    if q.numel() == 0:  # (before the reshape: [..., 0] gives no row count to infer)
         return q, s_out
+    x2 = x.reshape(-1, h)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    r = x2.shape[0]
     if tile is None:
         groups = max(1, min(512 // block_size, next_pow2(nb)))
         block_r, num_warps = max(1, 4096 // (groups * block_size)), 4
@@ -351,15 +351,19 @@ def quantize(
 
 def check_given_scale(fn: str, name: str, scale, x_name: str, x: torch.Tensor) -> None:
     """A caller-given per-tensor scale (``quantize``'s ``scale``, the permutes'
-    ``quantize_scale``): ``check_scale_tensor``, and a value positive and finite. The
+    ``quantize_scale``): ``check_scale_tensor``, and a value positive and finite as the
+    fp32 the kernels use (a float64 scale out of fp32's range becomes 0 or inf there). The
     value is checked where that is free (a CPU tensor in eager mode); on CUDA it is not (a
     device check would add launches to every call)."""
     check_scale_tensor(fn, name, scale, x_name, x)
     if scale.device.type == "cpu" and not torch.compiler.is_compiling():
-        v = float(scale.reshape(()))
+        s = scale.reshape(())
+        v = float(s.float())
         if not (v > 0 and v != float("inf")):
-            raise ValueError(f"{fn}: {name} must be positive and finite, got {v}; a zero, "
-                             "negative or non-finite scale would quantize to zeros or NaN")
+            given = "" if s.dtype == torch.float32 else f" (given {float(s)!r} as {s.dtype})"
+            raise ValueError(f"{fn}: {name} must be positive and finite as float32, got "
+                             f"{v}{given}; a zero, negative or non-finite scale would quantize "
+                             "to zeros or NaN")
 
 
 def check_scale_tensor(fn: str, name: str, scale, x_name: str, x: torch.Tensor) -> None:

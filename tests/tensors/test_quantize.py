@@ -225,6 +225,23 @@ def test_bad_input():
         qmoe.quantize(x, qmoe.PerTensor(), scale=torch.tensor(2))
 
 
+@pytest.mark.parametrize("bad", [1e-300, 1e300, 2.0**-150])
+def test_float64_scale_out_of_fp32_range(bad):
+    """A float64 scale is checked as the fp32 the kernels use: 1e-300 and 2**-150 become 0
+    there, 1e300 inf (each finite or positive before the cast); both entry points refuse
+    them."""
+    x, mask = torch.ones(4, 4), torch.ones(4, 2, dtype=torch.bool)
+    s = torch.tensor(bad, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"scale must be positive and finite as float32, got "
+                       r".* \(given .* as torch.float64\)"):
+        qmoe.quantize(x, qmoe.PerTensor(), scale=s)
+    with pytest.raises(ValueError, match="quantize_scale must be positive and finite"):
+        qmoe.moe_permute(x, mask, 8, quantize=qmoe.PerTensor(), quantize_scale=s)
+    good = torch.tensor(0.25, dtype=torch.float64)  # in range: the fp32 value is used
+    assert_same_bits(qmoe.quantize(x, qmoe.PerTensor(), scale=good).qdata,
+                     qmoe.quantize(x, qmoe.PerTensor(), scale=good.float()).qdata)
+
+
 _DIRECT_BAD = [
     ("block 0", (torch.float32, 0, torch.float8_e4m3fn, "amax"), ValueError, "block_size"),
     ("block 3", (torch.float32, 3, torch.float8_e4m3fn, "amax"), ValueError, "block_size"),
