@@ -129,14 +129,16 @@ def quantize_permute_triton(x, rid, probs, n, block_size, fp8_dtype, scale_mode,
     ``sweep_permute_mask.py --quant-steps`` the steps). ``poison``
     (tests) fills the outputs with 0xFF bytes first, so a row the kernel misses shows."""
     from qmoe.ops._kernels.quantize_permute import quantize_permute_kernel
-    from qmoe.ops.backend import scatter_programs, zero_unwritten_rows
+    from qmoe.ops.backend import permute_rows, scatter_programs, zero_unwritten_rows
 
     t, h = x.shape
-    if h == 0:
-        return _two_step(x, rid, probs, n, block_size, fp8_dtype, scale_mode, scale)
     q, s_out, pp, bs, nb = _outputs(x, n, block_size, fp8_dtype, scale_mode, scale, probs,
                                     poison)
     if n == 0:
+        return q.view(fp8_dtype), s_out, pp
+    if h == 0:  # no columns: empty bits and scale rows, nothing to quantize; probs move
+        if probs is not None:
+            permute_rows(x, rid, n, probs=probs, probs_out=pp, fill=fill, use_triton=True)
         return q.view(fp8_dtype), s_out, pp
     x, probs, rid = unit_stride(x), unit_stride(probs), rid.contiguous()
     fill = fill.contiguous() if fill is not None else None

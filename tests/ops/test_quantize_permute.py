@@ -206,6 +206,29 @@ def test_public_quantize_mx_tiny_blocks(fp8):
     assert torch.equal(out.dequantize().cpu(), rows)
 
 
+@pytest.mark.parametrize("recipe", ["mx-e4m3", "blockwise-e5m2", "pertensor-e4m3"])
+def test_fused_launchers_with_no_columns_or_tokens(kdevice, recipe):
+    """H = 0 (no columns: empty bits and scale rows, no quantize launch; the probs still
+    move) and T = 0 (every output row unwritten): the launchers equal the two steps."""
+    r = RECIPES[recipe]
+    for t, h in ((6, 0), (0, 64), (0, 0)):
+        _, mask = routing(t, 4, 2, "random", kdevice)
+        x, probs = torch.randn(t, h, device=kdevice), torch.rand(t, 4, device=kdevice)
+        for n in (0, int(mask.sum()), int(mask.sum()) + 3):
+            rid, fill = torch.ops.qmoe.make_row_id_map(mask, n, False, 1)
+            for p, f in itertools.product((probs, None), (None, fill)):
+                want = _two_step(x.cpu(), rid.cpu(), None if p is None else p.cpu(), n,
+                                 *_args(r, x.cpu()))
+                got = quantize_permute_triton(x, rid, p, n, *_args(r, x), f, poison=True)
+                for a, b in zip(got, want):
+                    assert_same_bits(a.cpu(), b)
+            got = quantize_permute_mask_triton(x, mask, n, 1, probs, *_args(r, x), poison=True)
+            assert_same_bits(got[3], rid)
+            for a, b in zip(got[:3], _two_step(x.cpu(), rid.cpu(), probs.cpu(), n,
+                                               *_args(r, x.cpu()))):
+                assert_same_bits(a.cpu(), b)
+
+
 def test_mask_kernel_no_tokens_or_experts(kdevice):
     r = RECIPES["mx-e4m3"]
     for t, e, n in ((0, 4, 6), (5, 0, 3)):

@@ -110,10 +110,19 @@ def test_kernel_row_tails_and_leading_dims(kdevice, rows):
         assert_same_bits(s.cpu(), sr)
 
 
-def test_kernel_empty(kdevice):
-    x = torch.randn(0, 256, device=kdevice)
-    q, s = quantize_rows_triton(x, 128, torch.float8_e4m3fn, "amax")
-    assert q.shape == (0, 256) and s.shape == (0, 2)
+@pytest.mark.parametrize("shape", [(0, 256), (5, 0), (0, 0), (2, 3, 0), (2, 0, 64)])
+def test_kernel_empty(kdevice, shape):
+    """No rows or no columns (H = 0: ``reshape(-1, 0)`` cannot infer the rows): correctly
+    shaped empty outputs, no launch."""
+    x = torch.randn(shape, device=kdevice)
+    for bs, mode, sdt in ((128, "amax", torch.float32), (128, "pow2", torch.float32),
+                          (32, "mx_floor", torch.uint8)):
+        q, s = quantize_rows_triton(x, bs, torch.float8_e4m3fn, mode)
+        assert q.shape == shape and q.dtype == torch.float8_e4m3fn
+        assert s.shape == (*shape[:-1], -(-shape[-1] // bs)) and s.dtype == sdt
+    given = torch.tensor(0.5, device=kdevice)
+    q, s = quantize_rows_triton(x, 512, torch.float8_e5m2, "given", given)
+    assert q.shape == shape and q.dtype == torch.float8_e5m2 and s is given
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA dispatch of qmoe.quantize")
