@@ -25,8 +25,9 @@ test: setup
 	$(PY) -m pytest tests
 
 lint:
-	$(PY) -m pip install -q ruff
+	$(PY) -m pip install -q ruff import-linter
 	$(PY) -m ruff check qmoe tests benchmarks scripts
+	lint-imports
 
 bench: setup
 	$(PY) benchmarks/bench_quantize.py

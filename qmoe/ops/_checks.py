@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import operator
+from collections.abc import Callable
 
 import torch
 
@@ -99,12 +100,24 @@ def check_tensor(fn: str, name: str, x, *, ndim: int | None = None, dtypes=None,
         raise TypeError(f"{fn}: {name} must have dtype in ({names}), got {x.dtype}")
 
 
+#: Loaders of the dispatch rules for other libraries' tensor types, by the top-level
+#: module that defines the type: ``check_input`` calls the loader on the first eager call
+#: with such an ``inp``. Written at import by the layer that owns the rules
+#: (``qmoe.interop`` registers ``"torchao"``), so this layer imports none of them.
+FOREIGN_RULES: dict[str, Callable[[], None]] = {}
+
+
+def register_foreign_rules(module: str, load: Callable[[], None]) -> None:
+    """Have ``load()`` run before a tensor of a type from top-level module ``module``
+    first reaches a public op in eager mode (under compile, import the rules first)."""
+    FOREIGN_RULES[module] = load
+
+
 def check_input(fn: str, inp) -> None:
     check_tensor(fn, "inp", inp, ndim=2, dtypes=_FLOATS, fix="pass tokens as [T, H]")
-    if type(inp).__module__.startswith("torchao") and not is_compiling():
-        # torchao's FP8 tensors: the rules that carry them through the ops live in
-        # qmoe.interop.torchao (registered on import; import it yourself before compiling).
-        import qmoe.interop.torchao  # noqa: F401
+    load = FOREIGN_RULES.get(type(inp).__module__.partition(".")[0])
+    if load is not None and not is_compiling():
+        load()
     from qmoe.tensors.base import QuantizedTensor
 
     # Non-strict export only: torch 2.11 also reports is_exporting() while Dynamo traces

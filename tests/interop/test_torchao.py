@@ -354,3 +354,27 @@ def test_example_runs():
     from pathlib import Path
 
     runpy.run_path(str(Path(__file__).parents[2] / "examples" / "torchao_interop.py"))
+
+
+_FIRST_CALL_CHILD = """
+import sys, torch, qmoe
+from torchao.prototype.mx_formats.mx_tensor import MXTensor
+assert "qmoe.interop.torchao" not in sys.modules
+x = MXTensor.to_mx(torch.randn(4, 64), torch.float8_e4m3fn, 32)
+mask = torch.zeros(4, 2, dtype=torch.bool); mask[:, 1] = True
+out, _ = qmoe.moe_permute(x, mask, 4)
+assert "qmoe.interop.torchao" in sys.modules and type(out) is MXTensor
+print("ok")
+"""
+
+
+def test_first_eager_call_loads_the_rules():
+    """``import qmoe`` does not import torchao; the first eager call of a public op with a
+    torchao tensor loads qmoe's rules for it (``qmoe.interop`` registers the loader)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    r = subprocess.run([sys.executable, "-c", _FIRST_CALL_CHILD], capture_output=True,
+                       text=True, timeout=300, cwd=Path(__file__).parents[2])
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
