@@ -707,6 +707,21 @@ void quantize_rows_impl(const Tensor& x, Tensor& q, Tensor& s, int64_t bs, int64
           const uint32_t sb = static_cast<uint32_t>(biased) << 23;
           std::memcpy(&divisor, &sb, 4);
           divisor = std::max(divisor, std::ldexp(1.f, -126));
+        } else if (mode == 4) {  // TransformerEngine's RCEIL, as the torch reference
+          const float d = amax / fmax;
+          uint32_t db;
+          std::memcpy(&db, &d, 4);
+          const uint32_t e = (db >> 23) & 0xFF, m = db & 0x7FFFFF;
+          // amax / fp8_max rounded up to a power of two; 254 for inf, 255 for NaN
+          int32_t biased = static_cast<int32_t>(e) +
+                           (m > 0 && e != 0xFE && (e != 0 || m > 0x400000u) ? 1 : 0);
+          if (e == 0xFF) biased = 254;
+          if (nan) biased = 255;
+          s.data_ptr<uint8_t>()[i * nb + blk] = static_cast<uint8_t>(biased);
+          const uint32_t sb = static_cast<uint32_t>(biased) << 23;
+          std::memcpy(&divisor, &sb, 4);
+          if (biased == 0) divisor = 1.f;  // TE's and torchao's: the elements round to +-0
+          if (nan) divisor = std::numeric_limits<float>::quiet_NaN();
         } else {
           divisor = (nan ? amax : std::max(amax, 1e-12f)) / fmax;
           if (mode == 1) divisor = pow2_ceil(divisor);
@@ -724,8 +739,10 @@ std::tuple<Tensor, Tensor> quantize_blocks(const Tensor& x_in, int64_t bs, at::S
                                            c10::string_view mode_s) {
   const char* op = "quantize_blocks";
   const std::string mode_str(mode_s);
-  const int64_t mode = mode_str == "amax" ? 0 : mode_str == "pow2" ? 1 : mode_str == "mx_floor" ? 2 : -1;
-  QMOE_CHECK(mode >= 0, op, "scale_mode must be 'amax', 'pow2' or 'mx_floor', got ", mode_str);
+  const int64_t mode = mode_str == "amax" ? 0 : mode_str == "pow2" ? 1
+                       : mode_str == "mx_floor" ? 2 : mode_str == "mx_rceil" ? 4 : -1;
+  QMOE_CHECK(mode >= 0, op, "scale_mode must be one of ['amax', 'mx_floor', 'mx_rceil', 'pow2'], got ",
+             mode_str);
   QMOE_CHECK(bs >= 1 && bs <= 4096 && (bs & (bs - 1)) == 0, op,
              "block_size must be a power of two in [1, 4096], got ", bs);
   check_quantize_dtypes(op, x_in, fp8);
@@ -735,7 +752,7 @@ std::tuple<Tensor, Tensor> quantize_blocks(const Tensor& x_in, int64_t bs, at::S
   auto q = at::empty(x.sizes(), x.options().dtype(fp8));
   auto sshape = x.sizes().vec();
   sshape.back() = nb;
-  auto s = at::empty(sshape, x.options().dtype(mode == 2 ? at::kByte : at::kFloat));
+  auto s = at::empty(sshape, x.options().dtype(mode == 2 || mode == 4 ? at::kByte : at::kFloat));
   if (x.numel() == 0) return {q, s};
   const float fmax = e4m3 ? 448.f : 57344.f;
   const int64_t emax = e4m3 ? 8 : 15;

@@ -149,7 +149,8 @@ def test_sort_chunks():
 
 
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
-@pytest.mark.parametrize("mode,bs", [("amax", 128), ("pow2", 128), ("mx_floor", 32), ("amax", 32)])
+@pytest.mark.parametrize("mode,bs", [("amax", 128), ("pow2", 128), ("mx_floor", 32),
+                                     ("mx_rceil", 32), ("amax", 32)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_quantize(fp8, mode, bs, dtype):
     x = torch.randn(9, 300) * torch.logspace(-30, 30, 9)[:, None]

@@ -30,6 +30,7 @@ from qmoe.tensors.quantize import (
     check_given_scale,
     check_scale_tensor,
     per_tensor_scale,
+    scale_dtype,
 )
 from qmoe.tensors.recipes import MXFP8, Blockwise, PerTensor, Recipe, fp8_max
 from qmoe.tensors.types import Float8BlockwiseTensor, Float8Tensor, MXFP8Tensor
@@ -83,8 +84,7 @@ def _outputs(x, n, block_size, fp8_dtype, scale_mode, scale, probs, poison):
     if given:
         s_out = scale.float().reshape(()).clone()
     else:
-        sdt = torch.uint8 if scale_mode == "mx_floor" else torch.float32
-        s_out = torch.empty((n, nb), dtype=sdt, device=x.device)
+        s_out = torch.empty((n, nb), dtype=scale_dtype(scale_mode), device=x.device)
     pp = probs.new_empty((n,)) if probs is not None else x.new_empty(0)
     if poison:
         for buf in (q, pp) if given else (q, s_out, pp):
@@ -242,8 +242,7 @@ def _(x, row_id_map, probs, num_out_tokens, block_size, fp8_dtype, scale_mode, s
     if scale_mode == "given":
         s = x.new_empty((), dtype=torch.float32)
     else:
-        sdt = torch.uint8 if scale_mode == "mx_floor" else torch.float32
-        s = x.new_empty((n, _nb(h, block_size)), dtype=sdt)
+        s = x.new_empty((n, _nb(h, block_size)), dtype=scale_dtype(scale_mode))
     pp = probs.new_empty((n,)) if probs is not None else x.new_empty(0)
     return q, s, pp
 

@@ -5,8 +5,9 @@ backward is straight-through (the gradient reaches ``x`` unchanged, in its dtype
 
 * ``qmoe::quantize_blocks(x, block_size, fp8_dtype, scale_mode) -> (qdata, scale)``:
   ``x`` ``[..., H]`` -> ``qdata`` ``[..., H]`` fp8 and ``scale`` ``[..., ceil(H/bs)]``
-  (fp32, or e8m0 bits as ``uint8`` for ``scale_mode="mx_floor"``: Inductor's CPU
-  backend cannot copy e8m0 tensors, so graphs carry the bits). One pass over ``x`` on CUDA.
+  (fp32, or e8m0 bits as ``uint8`` for the MX modes ``"mx_floor"`` and ``"mx_rceil"``:
+  Inductor's CPU backend cannot copy e8m0 tensors, so graphs carry the bits). One pass
+  over ``x`` on CUDA.
 * ``qmoe::quantize_with_scale(x, scale, fp8_dtype) -> qdata``: per-tensor, given a
   ``[]`` fp32 scale.
 * ``qmoe::per_tensor_scale``: the dynamic per-tensor recipe's scale, from the amax of
@@ -33,14 +34,22 @@ from qmoe.tensors.types import Float8BlockwiseTensor, Float8Tensor, MXFP8Tensor
 __all__ = ["quantize", "dequantize", "quantize_reference", "quantize_rows_triton"]
 
 EPS = 1e-12  # smallest amax used for a scale, so all-zero blocks get a finite scale
-#: scale_mode name -> the kernels' SCALE_MODE constexpr (read-only: no module-level mutable state)
-SCALE_MODES = MappingProxyType({"amax": 0, "pow2": 1, "mx_floor": 2})
+#: scale_mode name -> the kernels' SCALE_MODE constexpr (read-only: no module-level mutable
+#: state; 3 is the per-tensor "given" scale, which takes no mode name here)
+SCALE_MODES = MappingProxyType({"amax": 0, "pow2": 1, "mx_floor": 2, "mx_rceil": 4})
+#: the modes whose scales are e8m0 bytes (``uint8``)
+E8M0_MODES = frozenset({"mx_floor", "mx_rceil"})
 _HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _F32_MIN_NORMAL = 2.0**-126
 
 
 def _emax_elem(fp8_dtype: torch.dtype) -> int:
     return 8 if fp8_dtype == torch.float8_e4m3fn else 15
+
+
+def scale_dtype(scale_mode: str) -> torch.dtype:
+    """The dtype of a block mode's scales: e8m0 bytes as ``uint8`` for MX, else fp32."""
+    return torch.uint8 if scale_mode in E8M0_MODES else torch.float32
 
 
 def _pow2_ceil(s: torch.Tensor) -> torch.Tensor:
@@ -86,6 +95,13 @@ def _reference_blocks(x, block_size, fp8_dtype, scale_mode):
         biased = torch.where(amax.isnan(), 255, biased)
         scale_out = biased.to(torch.uint8)  # e8m0 bits
         divisor = (biased << 23).view(torch.float32).clamp(min=_F32_MIN_NORMAL)
+    elif scale_mode == "mx_rceil":
+        biased = _rceil_bytes(amax, fp8_max(fp8_dtype))
+        scale_out = biased.to(torch.uint8)
+        # byte 0 (amax <= fp8_max * 2**-127) divides by 1, as TE and torchao do: its
+        # elements round to +-0; 255 (NaN) makes every element NaN, as torchao's
+        divisor = torch.where(biased == 0, 1.0, (biased << 23).view(torch.float32))
+        divisor = torch.where(biased == 255, float("nan"), divisor)
     else:
         divisor = amax.clamp(min=EPS) / fp8_max(fp8_dtype)
         if scale_mode == "pow2":
@@ -97,6 +113,19 @@ def _reference_blocks(x, block_size, fp8_dtype, scale_mode):
     if q.numel() == 0:  # .contiguous() keeps the padded strides of an empty view
         q = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
     return q.contiguous(), scale_out
+
+
+def _rceil_bytes(amax: torch.Tensor, fp8_max_value: float) -> torch.Tensor:
+    """TransformerEngine's MXFP8 scale (NVIDIA's RCEIL, ``cvt.rp.satfinite.ue8m0``) as
+    int32 e8m0 bytes: ``amax / fp8_max`` in fp32, rounded up to a power of two (a
+    subnormal quotient up to ``2**-127``, byte 0, or ``2**-126``), saturated at 254 (an
+    infinite amax); 255 for NaN, 0 for an all-zero block."""
+    d = amax / fp8_max_value
+    bits = d.view(torch.int32)
+    e, m = (bits >> 23) & 0xFF, bits & 0x7FFFFF
+    up = (m > 0) & (e != 0xFE) & ((e != 0) | (m > 0x400000))
+    biased = torch.where(e == 0xFF, 254, e + up.int())
+    return torch.where(amax.isnan(), 255, biased)
 
 
 def per_tensor_scale(x: torch.Tensor, recipe: PerTensor) -> torch.Tensor:
@@ -148,9 +177,9 @@ def quantize_rows_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the Triton kernel on ``x`` ``[..., H]`` (CUDA, or CPU under TRITON_INTERPRET=1).
 
-    ``scale_mode`` is ``"amax"``, ``"pow2"``, ``"mx_floor"`` or ``"given"`` (per-tensor,
-    ``scale`` a ``[]`` fp32 tensor; ``block_size`` is then only the tile width).
-    Returns ``(qdata, scale)``; for ``"mx_floor"`` the scale is e8m0 bits as ``uint8``.
+    ``scale_mode`` is ``"amax"``, ``"pow2"``, ``"mx_floor"``, ``"mx_rceil"`` or ``"given"``
+    (per-tensor, ``scale`` a ``[]`` fp32 tensor; ``block_size`` is then only the tile
+    width). Returns ``(qdata, scale)``; for the MX modes the scale is e8m0 bits as ``uint8``.
     ``out``: preallocated ``(qdata, scale)`` to write into. ``tile``: ``(block_r, groups,
     num_warps)`` overriding the default tiling (for sweeps; results do not depend on it).
     No host sync.
@@ -165,7 +194,7 @@ def quantize_rows_triton(
         s_out = scale
     else:
         mode = SCALE_MODES[scale_mode]
-        sdt = torch.uint8 if scale_mode == "mx_floor" else torch.float32
+        sdt = scale_dtype(scale_mode)
         if out is None:
             q = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
             s_out = torch.empty((*x.shape[:-1], nb), dtype=sdt, device=x.device)
@@ -245,7 +274,7 @@ def _quantize_blocks(
 @_quantize_blocks.register_fake
 def _(x, block_size, fp8_dtype, scale_mode):
     _check_block_args(x, block_size, fp8_dtype, scale_mode)
-    sdt = torch.uint8 if scale_mode == "mx_floor" else torch.float32
+    sdt = scale_dtype(scale_mode)
     nb = _num_blocks(x.shape[-1], block_size)
     return (
         torch.empty(x.shape, dtype=fp8_dtype, device=x.device),
@@ -271,7 +300,7 @@ def _(x, scale, fp8_dtype):
 
 def _scale_mode(recipe: Recipe) -> str:
     if isinstance(recipe, MXFP8):
-        return "mx_floor"
+        return "mx_" + recipe.scale_rounding
     return "pow2" if recipe.power_of_two_scale else "amax"
 
 

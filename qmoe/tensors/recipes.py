@@ -80,6 +80,19 @@ class MXFP8:
     torchao's ``MXTensor.to_mx(..., scaling_mode=ScaleCalculationMode.FLOOR)``: the same
     fp8 bits everywhere, the same scale bytes except in those nonzero blocks, where
     torchao stores 0 and so dequantizes them at half their value.
+
+    ``scale_rounding="rceil"`` is TransformerEngine's rule (NVIDIA's RCEIL, torchao's
+    ``ScaleCalculationMode.RCEIL``): the scale is ``amax / fp8_max`` (fp32) rounded *up*
+    to a power of two, so no element saturates; an infinite amax gives 254, NaN 255, an
+    all-zero block 0. Elements are ``x / scale`` rounded to nearest even, except in byte-0
+    blocks (amax <= ``fp8_max * 2**-127``), which TE and torchao divide by 1: their elements
+    round to +-0. A NaN block's elements are all NaN, as torchao's. The rounding up is
+    exact, as TE's code and the ``cvt.rp.satfinite.ue8m0x2.f32`` instruction do it; torchao's
+    eager ``to_mx(..., scaling_mode=ScaleCalculationMode.RCEIL)`` takes ``ceil(log2(...))``
+    in fp32, which misses by one where ``amax / fp8_max`` lies a few ulps above a power of
+    two (docs/tensors.md); elsewhere the two agree bit for bit.
+
+    The tensors carry no trace of the rule: the e8m0 bytes say what they mean.
     """
 
     fp8_dtype: torch.dtype = torch.float8_e4m3fn
@@ -89,10 +102,10 @@ class MXFP8:
 
     def __post_init__(self) -> None:
         _check_fp8("MXFP8", self.fp8_dtype)
-        if self.scale_rounding != "floor":
+        if self.scale_rounding not in ("floor", "rceil"):
             raise ValueError(
-                f"MXFP8: scale_rounding must be 'floor' (OCP MX v1.0), got "
-                f"{self.scale_rounding!r}"
+                "MXFP8: scale_rounding must be 'floor' (OCP MX v1.0) or 'rceil' "
+                f"(TransformerEngine's), got {self.scale_rounding!r}"
             )
 
 

@@ -151,8 +151,8 @@ def _launches():
         qw = qmoe.quantize(y.float().repeat(1, 5)[:, :1152], recipe)  # evict_first tiles
         B.unpermute_fp8_rows(_bits(qw), qw.raw_scale, _layout(qw), qw.block_size or 0,
                              qw.fp8_dtype, rid, probs, torch.bfloat16, use_triton=True)
-    for bs, mode in ((128, "amax"), (128, "pow2"), (32, "mx_floor"), (64, "amax"),
-                     (16, "amax")):  # (and Blockwise's other block sizes)
+    for bs, mode in ((128, "amax"), (128, "pow2"), (32, "mx_floor"), (32, "mx_rceil"),
+                     (64, "amax"), (16, "amax")):  # (and Blockwise's other block sizes)
         quantize_rows_triton(x, bs, torch.float8_e4m3fn, mode)
         for f in (None, fill):
             quantize_permute_triton(x, rid, probs, n, bs, torch.float8_e4m3fn, mode, None, f)
@@ -163,7 +163,7 @@ def _launches():
     B.permute_rows(x7, rid, n, probs, use_triton=True, fill=fill)
     permute_mask_triton(x7.view(torch.uint8), mask, n, 1, probs)
     B.unpermute_rows(torch.randn(n, 7168, dtype=torch.bfloat16), rid, probs, use_triton=True)
-    for bs, mode in ((128, "amax"), (32, "mx_floor")):
+    for bs, mode in ((128, "amax"), (32, "mx_floor"), (32, "mx_rceil")):
         quantize_permute_triton(x7, rid, probs, n, bs, torch.float8_e4m3fn, mode, None, fill)
         quantize_permute_mask_triton(x7, mask, n, 1, probs, bs, torch.float8_e4m3fn, mode, None)
         for tile in (4096, 1024):  # the whole row a program, in 2 or 7 steps (4096: the
@@ -176,6 +176,7 @@ def _launches():
         # steps
         quantize_permute_triton(x7[:, :2880], rid, probs, n, bs, torch.float8_e4m3fn, mode,
                                 None, fill)
+    quantize_rows_triton(x, 32, torch.float8_e5m2, "mx_rceil")
     given = torch.tensor(0.01)
     quantize_rows_triton(x, 512, torch.float8_e5m2, "given", given)
     quantize_permute_triton(x, rid, None, n, 0, torch.float8_e5m2, "given", given, fill)

@@ -8,7 +8,13 @@ import pytest
 import torch
 
 import qmoe
-from tests.tensors.helpers import LAYOUTS, assert_same_bits, assert_same_quantized, take_rows
+from tests.tensors.helpers import (
+    LAYOUTS,
+    RECIPES,
+    assert_same_bits,
+    assert_same_quantized,
+    take_rows,
+)
 
 pytestmark = pytest.mark.compile
 
@@ -42,9 +48,9 @@ def test_row_ops_compile(name, device):
     assert torch.equal(got[3], want[3])
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", [*LAYOUTS, "mx-rceil-e4m3"])
 def test_quantize_and_backward_compile(name, device):
-    recipe = LAYOUTS[name]
+    recipe = RECIPES[name]
 
     def f(x):
         q = qmoe.quantize(x, recipe)

@@ -9,7 +9,16 @@ import torch
 import qmoe
 from qmoe.tensors.quantize import _reference_blocks
 from qmoe.tensors.recipes import fp8_max
-from tests.tensors.helpers import LAYOUTS, RECIPES, assert_same_bits, sqnr_db, tiny_mx_blocks
+from tests.tensors.helpers import (
+    LAYOUTS,
+    RECIPES,
+    assert_same_bits,
+    assert_same_quantized,
+    rceil_inputs,
+    rceil_reference,
+    sqnr_db,
+    tiny_mx_blocks,
+)
 
 HS = [1, 17, 127, 129, 7168]
 
@@ -55,7 +64,7 @@ def test_layout_and_dequantize(name, h):
     [
         ("pertensor-e4m3", 25), ("blockwise-e4m3", 28), ("mx-e4m3", 28),
         ("pertensor-e5m2", 19), ("blockwise-e5m2", 22), ("mx-e5m2", 22),
-        ("pertensor-pow2", 25), ("blockwise-pow2", 27),
+        ("pertensor-pow2", 25), ("blockwise-pow2", 27), ("mx-rceil-e4m3", 28),
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -115,6 +124,55 @@ def test_mx_tiny_blocks_dequantize_exactly(path, fp8, dtype):
         qdata, bits = _reference_blocks(x, 32, fp8, "mx_floor")
     assert torch.equal(bits, want)
     assert torch.equal(qmoe.MXFP8Tensor(qdata, bits, dtype).dequantize(), x)
+
+
+@pytest.mark.parametrize("path", ["op", "torch"])
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_mx_rceil_matches_fp64_reference(path, fp8, dtype):
+    """``MXFP8(scale_rounding="rceil")`` (TransformerEngine's rule) against a reference
+    written from its definition in Python / numpy scalars, on amaxes at and around every
+    power-of-two edge, subnormal quotients, zeros, inf and NaN; ``op`` / ``torch`` as in
+    ``test_mx_tiny_blocks_dequantize_exactly``."""
+    x = rceil_inputs(fp8, dtype)
+    if dtype == torch.float16:  # fp16's range; the edges near its top and bottom stay
+        x = x.float().clamp(-6e4, 6e4).to(dtype)
+        x[-2, 5], x[-1, 40] = float("inf"), float("nan")
+    if path == "op":
+        q = qmoe.quantize(x, qmoe.MXFP8(fp8, scale_rounding="rceil"))
+        qdata, bits = q.qdata, q.scale_bits
+    else:
+        qdata, bits = _reference_blocks(x, 32, fp8, "mx_rceil")
+    want_q, want_s = rceil_reference(x, fp8)
+    assert_same_bits(bits, want_s)
+    assert_same_bits(qdata.view(torch.uint8), want_q)
+    # the scale rounded up: no block's amax exceeds fp8_max * scale, so nothing saturates
+    # (byte 0 blocks divide by 1 and round to +-0; 254 and 255 are inf and NaN)
+    amax = x.double().reshape(x.shape[0], -1, 32).abs().amax(-1)
+    b = bits.long()
+    mid = (b > 0) & (b < 254)
+    assert mid.sum() > x.shape[0]
+    assert (amax[mid] <= torch.finfo(fp8).max * torch.exp2(b[mid] - 127.0)).all()
+
+
+def test_mx_rceil_recipe():
+    """The recipe takes "floor" and "rceil"; its tensors are plain MXFP8Tensors (the bytes
+    describe themselves), so save/load and mixing with floor tensors need nothing more."""
+    import io
+
+    with pytest.raises(ValueError, match="'floor' .* or 'rceil'"):
+        qmoe.MXFP8(scale_rounding="RCEIL")
+    x = torch.randn(6, 96) * 3
+    r = qmoe.MXFP8(torch.float8_e5m2, "rceil")
+    assert r != qmoe.MXFP8(torch.float8_e5m2) and hash(r) != hash(qmoe.MXFP8(torch.float8_e5m2))
+    q = qmoe.quantize(x, r)
+    assert type(q) is qmoe.MXFP8Tensor
+    buf = io.BytesIO()
+    torch.save(q, buf)
+    buf.seek(0)
+    assert_same_quantized(torch.load(buf, weights_only=True), q)
+    both = torch.cat([q, qmoe.quantize(x, qmoe.MXFP8(torch.float8_e5m2))])
+    assert_same_bits(both.scale_bits[:6], q.scale_bits)
 
 
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])

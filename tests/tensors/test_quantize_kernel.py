@@ -8,11 +8,23 @@ import pytest
 import torch
 
 import qmoe
-from qmoe.tensors.quantize import _reference_blocks, _saturate_cast, quantize_rows_triton
-from tests.tensors.helpers import RECIPES, assert_same_bits, tiny_mx_blocks
+from qmoe.tensors.quantize import (
+    _reference_blocks,
+    _saturate_cast,
+    quantize_rows_triton,
+    scale_dtype,
+)
+from tests.tensors.helpers import (
+    RECIPES,
+    assert_same_bits,
+    rceil_inputs,
+    rceil_reference,
+    tiny_mx_blocks,
+)
 
 MODES = [
-    ("amax", 128), ("pow2", 128), ("mx_floor", 32), ("amax", 32), ("pow2", 64),
+    ("amax", 128), ("pow2", 128), ("mx_floor", 32), ("mx_rceil", 32), ("amax", 32),
+    ("pow2", 64),
 ]
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 
@@ -32,7 +44,7 @@ def _poisoned_run(x, bs, fp8, mode):
     (0xFF is NaN in both fp8 formats and in e8m0, and the reference has no NaN here)."""
     nb = -(-x.shape[-1] // bs)
     q = torch.full(x.shape, 0xFF, dtype=torch.uint8, device=x.device).view(fp8)
-    sdt = torch.uint8 if mode == "mx_floor" else torch.float32
+    sdt = scale_dtype(mode)
     s = torch.full((*x.shape[:-1], nb), 0xFF, dtype=torch.uint8, device=x.device)
     s = s if sdt == torch.uint8 else torch.full(s.shape, float("nan"), device=x.device)
     return quantize_rows_triton(x, bs, fp8, mode, out=(q, s))
@@ -55,7 +67,8 @@ def test_kernel_matches_reference(kdevice, fp8, mode, bs, h, dtype):
 
 
 @pytest.mark.parametrize("fp8", FP8)
-@pytest.mark.parametrize("mode,bs", [("amax", 128), ("pow2", 128), ("mx_floor", 32)])
+@pytest.mark.parametrize("mode,bs", [("amax", 128), ("pow2", 128), ("mx_floor", 32),
+                                     ("mx_rceil", 32)])
 def test_kernel_bf16_subnormal_inputs(kdevice, fp8, mode, bs):
     """bf16 inputs below 2**-126 (bf16 subnormals), in whole rows and alone in a row's last
     block, quantize to the reference's bits (the interpreter's own bf16 -> fp32 conversion
@@ -80,6 +93,18 @@ def test_kernel_mx_tiny_blocks(kdevice, fp8, dtype):
     q, s = _poisoned_run(x.to(kdevice), 32, fp8, "mx_floor")
     assert_same_bits(s.cpu(), want)
     assert torch.equal(qmoe.MXFP8Tensor(q.cpu(), s.cpu(), dtype).dequantize(), x)
+
+
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_mx_rceil_edges(kdevice, fp8, dtype):
+    """TE's RCEIL rule in the kernel: amaxes at and around every power-of-two edge,
+    subnormal quotients, zeros, inf and NaN, against the reference from its definition."""
+    x = rceil_inputs(fp8, dtype)
+    q, s = _poisoned_run(x.to(kdevice), 32, fp8, "mx_rceil")
+    want_q, want_s = rceil_reference(x, fp8)
+    assert_same_bits(s.cpu(), want_s)
+    assert_same_bits(q.cpu().view(torch.uint8), want_q)
 
 
 @pytest.mark.parametrize("fp8", FP8)
@@ -116,7 +141,7 @@ def test_kernel_empty(kdevice, shape):
     shaped empty outputs, no launch."""
     x = torch.randn(shape, device=kdevice)
     for bs, mode, sdt in ((128, "amax", torch.float32), (128, "pow2", torch.float32),
-                          (32, "mx_floor", torch.uint8)):
+                          (32, "mx_floor", torch.uint8), (32, "mx_rceil", torch.uint8)):
         q, s = quantize_rows_triton(x, bs, torch.float8_e4m3fn, mode)
         assert q.shape == shape and q.dtype == torch.float8_e4m3fn
         assert s.shape == (*shape[:-1], -(-shape[-1] // bs)) and s.dtype == sdt

@@ -17,6 +17,7 @@ SCALE_AMAX = 0  # scale = max(amax, EPS) / FP8_MAX, fp32
 SCALE_POW2 = 1  # the same, rounded up to a power of two, fp32
 SCALE_MX_FLOOR = 2  # OCP MX v1.0: 2 ** (floor(log2(amax)) - EMAX_ELEM), e8m0 byte
 SCALE_GIVEN = 3  # per-tensor: one fp32 scale read from s_ptr, nothing written
+SCALE_MX_RCEIL = 4  # TransformerEngine: amax / FP8_MAX rounded up to a power of two, e8m0
 
 
 @triton.jit
@@ -108,6 +109,19 @@ def quantize_tile(
             stored = biased.to(tl.uint8)
             scale = (biased << 23).to(tl.float32, bitcast=True)
             scale = tl.maximum(scale, 1.1754943508222875e-38)  # 2**-126, as torchao does
+        elif SCALE_MODE == 4:  # SCALE_MX_RCEIL
+            # TE's float_to_e8m0 of amax / FP8_MAX: the power of two at or above it (a
+            # subnormal quotient up to 2**-127, byte 0, or 2**-126), 254 for inf
+            db = tl.math.div_rn(amax, FP8_MAX).to(tl.int32, bitcast=True)
+            e = (db >> 23) & 0xFF
+            m = db & 0x7FFFFF
+            up = (m > 0) & (e != 0xFE) & ((e != 0) | (m > 0x400000))
+            biased = tl.where(e == 0xFF, 254, e + up.to(tl.int32))
+            biased = tl.where(has_nan, 255, biased)
+            stored = biased.to(tl.uint8)
+            scale = (biased << 23).to(tl.float32, bitcast=True)
+            scale = tl.where(biased == 0, 1.0, scale)  # TE's and torchao's: elements to +-0
+            scale = tl.where(has_nan, nan, scale)
         else:
             scale = tl.math.div_rn(tl.where(amax < EPS, EPS, amax), FP8_MAX)
             if SCALE_MODE == 1:  # SCALE_POW2
