@@ -32,9 +32,9 @@ def _block_h(h: int) -> int:
 
 def scatter_tile(h: int, itemsize: int, weighted: bool) -> tuple[int, int, int]:
     """``(BLOCK_H, num_warps, KB)`` of the scatter kernel: up to 16 KiB of a row per
-    program (2048 columns when weighted, whose math is fp32). Picked from
-    ``benchmarks/sweep_permute.py`` on the H200 (dsv3, qwen3, mixtral, gptoss: within 1-2%
-    of each config's best)."""
+    program (2048 columns when weighted, whose math is fp32). Chosen by
+    ``benchmarks/sweep_permute.py`` on the H200 (docs/benchmarks.md, "Scatter tiles"):
+    within 2 points of each config's best at dsv3, qwen3, mixtral and gptoss."""
     cap = 2048 if weighted else 16384 // itemsize
     bh = max(16, min(cap, next_pow2(max(h, 1))))
     nw = min(8 if itemsize > 1 else 4, max(1, bh * itemsize // 512))
@@ -46,11 +46,12 @@ def merge_tile(h: int, weighted: bool) -> tuple[int, int, str, bool]:
     Weighted, or at an H that is not a power of two up to 4096: 512 columns and one warp a
     program (fewer for H < 512), two routes a step, rows streamed through L2 evict-first.
     Unweighted at a power-of-two H up to 4096: one tile of H columns (8 warps at 4096), one
-    route a step. From ``benchmarks/sweep_gather.py`` on the H200 (docs/benchmarks.md,
-    2026-12-04), kernel alone, % of copy: weighted dsv3 92.5 (81.7 with the earlier 4096
-    columns, 8 warps, one route a step), qwen3 94.2 (91.3), qwen3next 90.9 (87.3), mixtral
-    81.4 (77.1), gptoss 80.5 (68.6); unweighted the one tile stays ahead at qwen3 99.1 vs
-    94.2, qwen3next 95.2 vs 93.4, mixtral 84.1 vs 81.2."""
+    route a step. Chosen by ``benchmarks/sweep_gather.py`` on the H200
+    (docs/benchmarks.md, "bf16 merge tiles (`merge_tile`)"), kernel alone, % of copy:
+    weighted dsv3 92.5 (against 81.7 with 4096 columns, 8 warps, one route a step), qwen3
+    94.2 (91.3), qwen3next 90.9 (87.3), mixtral 81.4 (77.1), gptoss 80.5 (68.6); unweighted
+    the one tile is ahead at qwen3 99.1 vs 94.2, qwen3next 95.2 vs 93.4, mixtral 84.1 vs
+    81.2."""
     if not weighted and _one_tile_fits(h):
         return *_one_tile(h), "", False
     return max(16, min(512, next_pow2(max(h, 1)))), 1, "evict_first", True
@@ -59,11 +60,13 @@ def merge_tile(h: int, weighted: bool) -> tuple[int, int, str, bool]:
 def fp8_merge_tile(h: int) -> tuple[int, int, str]:
     """``(BLOCK_H, num_warps, eviction policy)`` of the FP8 merge kernel. A power-of-two H
     up to 4096, or any H up to 1024, is one tile (8 warps at 4096); a larger H goes in
-    1024-column tiles of 2 warps with the fp8 rows read evict-first. From
-    ``sweep_gather.py --quick --more`` on the H200 (2026-12-04), blockwise kernel alone,
-    % of copy: dsv3 (H = 7168) 66.9 -> 75.5, gptoss (2880) 53.7 -> 65.4; at H = 4096 and
-    2048 the one tile stays (qwen3 78.3 vs 75.2, qwen3next 75.8 vs 72.8; mixtral 68.6 vs
-    72.2 is the exception left alone); 512-column tiles lost 7-16 points."""
+    1024-column tiles of 2 warps with the fp8 rows read evict-first. Chosen by
+    ``benchmarks/sweep_gather.py --quick --more`` on the H200 (docs/benchmarks.md, "FP8
+    merge (`fp8_merge_tile`; no load-ahead)"), blockwise kernel alone, % of copy: 1024 / 2 /
+    evict-first against one tile of 8 warps, dsv3 (H = 7168) 75.5 vs 66.9, gptoss (2880)
+    65.4 vs 53.7; at H = 4096 and 2048 the one tile is ahead (qwen3 78.3 vs 75.2, qwen3next
+    75.8 vs 72.8; mixtral, 68.6 vs 72.2, is the exception left alone); 512-column tiles
+    lost 7-16 points."""
     if _one_tile_fits(h) or h <= 1024:
         return *_one_tile(h), ""
     return 1024, 2, "evict_first"
@@ -281,11 +284,12 @@ def _weights_arg(weights: torch.Tensor | None, like: torch.Tensor) -> tuple[torc
 def merge_backward_tile(h: int, p: int) -> tuple[int, int, int]:
     """``(KB, BLOCK_H, num_warps)`` of ``merge_backward_kernel`` (both gradients of the
     weighted merge, ``p`` weight columns): up to 1024 columns and 4 warps a program; four
-    routes' rows a step from H = 4096 with 16 or more weight columns, else two. From
-    ``benchmarks/sweep_merge_backward.py`` on the H200 (docs/benchmarks.md, session 8; mask
-    maps, % of copy, against the two-kernel form before): dsv3 85.3 (77.4), qwen3 88.6
-    (82.7), qwen3next 86.0 (79.5), mixtral 81.7 (63.5), gptoss 79.8 (63.5). Four routes a
-    step won at dsv3 and qwen3 (K = 8) and lost 18 points at mixtral (K = 2). The host
+    routes' rows a step from H = 4096 with 16 or more weight columns, else two. Chosen by
+    ``benchmarks/sweep_merge_backward.py`` on the H200 (docs/benchmarks.md, "Merge backward
+    (`merge_backward_tile`)"), mask maps, % of copy, against a weighted scatter plus a
+    weight-gradient kernel in parentheses: dsv3 85.3 (77.4), qwen3 88.6 (82.7), qwen3next
+    86.0 (79.5), mixtral 81.7 (63.5), gptoss 79.8 (63.5). Four routes a step win at dsv3
+    and qwen3 (K = 8) and lose 18 points at mixtral (K = 2). The host
     cannot tell K from a mask map without a sync, so E (its weight columns) stands in:
     mixtral has 8. An index map's columns are K itself (at H >= 4096, K >= 16 takes
     four)."""

@@ -91,11 +91,11 @@ def permute_index_triton(
     return out, pp, so, rid
 
 
-#: Largest E at which the fused kernel beats the sorting map then the scatter. H100, torch
-#: 2.11, Triton 3.6, bf16 rows, % of copy, sorting -> fused (``sweep_permute_mask.py
-#: --index``, docs/benchmarks.md session 15): E = 8 (mixtral) 31.9 -> 85.5, E = 128 (qwen3
-#: 66.3 -> 71.8, gptoss 34.7 -> 66.6), E = 256 (dsv3) 55.2 -> 83.4, but E = 512
-#: (qwen3next) 54.9 -> 41.9 (not profiled; the per-block count rows grow with E).
+#: Largest E at which the fused kernel beats the sorting map then the scatter. Chosen by
+#: ``benchmarks/sweep_permute_mask.py --rows bf16 --index`` on the H100 (docs/benchmarks.md,
+#: "Index permute"), % of copy, sorting map + scatter / fused: E = 8 (mixtral) 31.9 / 85.5,
+#: E = 128 (qwen3 66.3 / 71.8, gptoss 34.7 / 66.6), E = 256 (dsv3) 55.2 / 83.4, but E = 512
+#: (qwen3next) 54.9 / 41.9 (not profiled; the per-block count rows grow with E).
 FUSED_INDEX_MAX_EXPERTS = 256
 #: Largest K timed (qwen3next's 10; each token program compares its K ids with those of
 #: the earlier tokens of its block, a cost that grows with K squared).

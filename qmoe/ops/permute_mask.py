@@ -30,10 +30,12 @@ from qmoe.ops.row_id_map import (
 ops = torch.ops.qmoe
 
 
-#: Warps of the fused kernel, and tokens per count block (``sweep_permute_mask.py`` on the
-#: H200, docs/benchmarks.md: 16-token blocks and 4 warps were the best or within 1% of it
-#: on dsv3, qwen3, qwen3next, mixtral and gptoss, bf16 and FP8 rows; 8 warps, which the
-#: scatter alone prefers at long rows, lost 1-5 points).
+#: Warps of the fused kernel, and tokens per count block. Chosen by
+#: ``benchmarks/sweep_permute_mask.py`` on the H200 (docs/benchmarks.md, "Count blocks and
+#: warps (`FUSED_BLOCK_T`, `FUSED_WARPS`)"): 16-token blocks and 4 warps are the best of
+#: the tilings tried on dsv3, qwen3, qwen3next, mixtral and gptoss, bf16 and FP8 rows; 8
+#: warps, which the scatter alone prefers at long rows, lose (mixtral FP8: 57.6 against
+#: 63.1% of copy).
 FUSED_WARPS, FUSED_BLOCK_T = 4, 16
 
 
@@ -44,10 +46,11 @@ def fused_map_tiling(t: int, e: int) -> MapTiling:
 
 
 #: Largest ``next_pow2(E)`` for which the fused mask kernels take each route's output row
-#: from registers (``routes_at``) rather than reading the stored map row back
-#: (``sweep_permute_mask.py --reg-routes``, docs/benchmarks.md session 5: registers won
-#: 2-4 points at E <= 128; at E = 512 they ran 2.4x slower, and spilled in the quantize
-#: kernel).
+#: from registers (``routes_at``) rather than reading the stored map row back. Chosen by
+#: ``benchmarks/sweep_permute_mask.py --reg-routes 0,1`` on the H200 (docs/benchmarks.md,
+#: "Routes from registers; the map in the quantize launch"): registers win up to 2.4
+#: points at next_pow2(E) <= 128; at E = 512 they run 2.4x slower, and the quantize
+#: kernel's register form spills.
 REG_ROUTES_MAX_E = 128
 
 

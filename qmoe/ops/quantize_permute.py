@@ -96,11 +96,12 @@ def _consts(x, fp8_dtype, scale_mode, bs, nb, tile, steps) -> dict:
     """The quantizing constexprs of the fused kernels, and the column tiling: ``tile`` row
     elements a step (``sweep_permute.py``: 4096 at H >= 4096, else 1024), ``steps`` steps
     a program (0: the whole row, so a token's map row is read or built once; None: the
-    whole row at H < 4096, else one step). The
-    launchers' defaults follow the H100 sweep of session 17 (docs/benchmarks.md): the
-    whole row (the mask kernel's ``steps=0``; the map-reading kernel's ``steps=None``),
-    except the map-reading kernel at H >= 4096, where one step a program measured faster
-    (dsv3 78.3 vs 76.9% of copy)."""
+    whole row at H < 4096, else one step). The launchers' defaults, chosen by
+    ``benchmarks/sweep_permute_mask.py --rows "" --quant-tiles 1024,4096 --quant-steps 1,0``
+    (docs/benchmarks.md, "Column steps and tiles (`_consts`)"): the whole row (the mask
+    kernel's ``steps=0``; the map-reading kernel's ``steps=None``), except the map-reading
+    kernel at H >= 4096, where one step a program is faster (H100, dsv3: 78.3 vs 76.9% of
+    copy)."""
     if tile is None:
         tile = 4096 if x.shape[1] >= 4096 else 1024
     if steps is None:
@@ -305,10 +306,11 @@ _quantize_permute_mask.register_autograd(_backward, setup_context=_setup)
 
 #: Output rows per token (N / T) from which the fused quantize-permute of a mask builds its
 #: map rows in its own launch (``quantize_permute_mask``) rather than reading a map built
-#: before it. ``sweep_permute_mask.py --quant-tiles`` on the H200 (docs/benchmarks.md,
-#: session 5): the map built inside gained 1-6 points at dsv3, qwen3 and qwen3next (N = 8T
-#: to 10T) and lost 3-9 at mixtral and gptoss (N = 2T, 4T), where each token's map work is
-#: shared by fewer output rows.
+#: before it. Chosen by ``benchmarks/sweep_permute_mask.py --reg-routes 0,1 --quant-tiles
+#: 1024,4096`` on the H200 (docs/benchmarks.md, "Routes from registers; the map in the
+#: quantize launch"): the map built inside gains 1-6 points at dsv3, qwen3 and qwen3next
+#: (N = 8T to 10T) and loses 3-9 at mixtral and gptoss (N = 2T, 4T), where each token's
+#: map work is shared by fewer output rows.
 MASK_MAP_MIN_ROWS_PER_TOKEN = 6
 
 

@@ -123,9 +123,10 @@ def map_tiling(t: int, e: int) -> MapTiling:
     """The tiling the launcher uses for a ``[T, E]`` mask: ``next_pow2(E) / 128`` warps
     (1 to 8: ~4 experts a thread from E = 65 to 1024, fewer below, more above), blocks of
     16 tokens (8 once ``next_pow2(E) > 128``) but at least ~512 blocks (down to 2 tokens),
-    up to 8 rows loaded ahead. ``benchmarks/sweep_map.py`` on the H200
-    (docs/benchmarks.md): the map pass is bound by the latency of each row's scan, so short
-    blocks over many programs win until the per-block counts grow; more warps lose."""
+    up to 8 rows loaded ahead. Chosen by ``benchmarks/sweep_map.py`` on the H200
+    (docs/benchmarks.md, "Mask map (`make_row_id_map`, `map_tiling`)"): the map pass is
+    bound by the latency of each row's scan, so short blocks over many programs win until
+    the per-block counts grow; more warps lose."""
     be = next_pow2(e)
     bt = max(2, min(16 if be <= 128 else 8, prev_pow2(t // 512)))
     return MapTiling(bt, max(1, min(8, be // 128)), min(8, bt))
@@ -247,10 +248,12 @@ def _mask_rows_triton(
     ``SMALL_MAP_BYTES`` (``one_launch`` forces either). ``tiling`` overrides
     ``map_tiling`` (tests shrink it to reach many blocks with small inputs; the sweep
     tries others). ``pdl`` (Hopper; off by default): the scan and the map pass as
-    programmatic dependent launches. ``sweep_map.py --pdl 0,1`` (docs/benchmarks.md,
-    session 10): 0.5-1.9 us faster at dsv3, qwen3next and mixtral, but twice as slow at
-    qwen3 and gptoss (0.022 -> 0.038, 0.018 -> 0.034 ms; one-warp map programs). Unlike
-    the fused kernels, the map pass has no loads to issue before its wait."""
+    programmatic dependent launches. ``benchmarks/sweep_map.py --pdl 0,1`` on the H200
+    (docs/benchmarks.md, "Mask map (`make_row_id_map`, `map_tiling`)", its paragraph on
+    PDL staying off for the map pass): PDL is 0.5-1.9 us faster at dsv3, qwen3next and
+    mixtral, but twice as slow at qwen3 and gptoss (0.038 against 0.022 ms, 0.034 against
+    0.018; one-warp map programs). Unlike the fused kernels, the map pass has no loads to
+    issue before its wait."""
     from qmoe.ops._kernels.row_id_map import mask_row_id_map_kernel, mask_row_id_map_small_kernel
 
     t, e = routing_map.shape

@@ -52,21 +52,24 @@ def sort_chunks_triton(
     the order is a permutation; moved probs must not be NaN. No host sync.
 
     Tiles: ~16 KiB of rows (``block_h`` columns, up to 16 KiB of one row), one tile
-    (``steps``; for byte rows see below) and 4 warps (``num_warps``) a program; from
-    ``benchmarks/sweep_sort_chunks.py`` on the H200 (docs/benchmarks.md, session 8): within
-    3 points of the best of 16 tilings at dsv3, qwen3, qwen3next, mixtral and gptoss, where
-    8 warps lost up to 45 points. Byte rows (FP8 bits, e8m0 scales): ``words`` moves them
-    as int32 words where the layout allows (session 9, ``--fp8``: dsv3 72 -> 90% of copy,
-    the others within a point), in 4 tiles a program where the chunk scan is long against
-    the tile's rows (``BLOCK_C >= 64 * BLOCK_R``: qwen3next 49 -> 67%, dsv3 within 1.3
-    points); ``max_scan`` (default ``MAX_SCAN_ELEMENTS``) cuts the tiles (all overridable
-    for the sweep). ``out`` (tests: poisoned) receives the rows. ``side`` ``[T, NS]`` (the
-    block scales of quantized rows) moves alike into ``side_out`` (given by the caller) in
-    the same launch (``qmoe::sort_chunks_rows``); ``side_wide`` (default: tiles of at most
+    (``steps``; for byte rows see below) and 4 warps (``num_warps``) a program; chosen by
+    ``benchmarks/sweep_sort_chunks.py`` on the H200 (docs/benchmarks.md, "Chunk sort"):
+    within 3 points of the best of 16 tilings at dsv3, qwen3, qwen3next, mixtral and
+    gptoss, where 8-warp tilings fall as low as 17.2% of copy (qwen3next). Byte rows (FP8
+    bits, e8m0 scales): ``words`` moves them as int32 words where the layout allows, in 4
+    tiles a program where the chunk scan is long against the tile's rows (``BLOCK_C >= 64
+    * BLOCK_R``); ``sweep_sort_chunks.py --fp8`` (docs/benchmarks.md, "FP8 rows: int32
+    words, the scan cut, side rows"), % of copy: words against bytes, dsv3 blockwise 90.4
+    vs 72.2, qwen3, mixtral and gptoss within about a point; 4 tiles against 1, qwen3next
+    blockwise 66.8 vs 49.2, dsv3 within 1.3 points. ``max_scan`` (default
+    ``MAX_SCAN_ELEMENTS``) cuts the tiles (all overridable for the sweep). ``out`` (tests:
+    poisoned) receives the rows. ``side`` ``[T, NS]`` (the block scales of quantized rows)
+    moves alike into ``side_out`` (given by the caller) in the same launch
+    (``qmoe::sort_chunks_rows``); ``side_wide`` (default: tiles of at most
     ``SIDE_WIDE_MAX_COLS`` columns; always ``block_h >= NS``) shapes its tiles as the
     rows'; ``side_words`` moves byte side rows (e8m0 scales) as int32 words where their
-    layout allows (session 10: qwen3next MX 73.6 -> 88.7% of copy, dsv3, qwen3, mixtral
-    and gptoss within half a point)."""
+    layout allows (same section: qwen3next MX 88.7% of copy in words against 73.6 in bytes;
+    dsv3, mixtral and gptoss within half a point)."""
     from qmoe.ops._kernels.sort_chunks import sort_chunks_kernel
 
     t, h = inp.shape
@@ -127,18 +130,21 @@ def sort_chunks_triton(
 #: Largest ``BLOCK_R * BLOCK_C`` of a tile: a program whose rows straddle a chunk boundary
 #: scans the chunks for each row (``chunk_sources``), ``[BLOCK_R, BLOCK_C]`` at a time. At
 #: 256 rows x 512 chunks (qwen3next's FP8 scale rows) that ran at 10% of copy; the measured
-#: bf16 tilings stay at or under it (qwen3next: 4 rows x 512 chunks). Cut, qwen3next's
-#: blockwise scale rows alone took 0.068 ms instead of 1.45 (session 9, ``--scales``).
+#: bf16 tilings stay at or under it (qwen3next: 4 rows x 512 chunks).
+#: ``benchmarks/sweep_sort_chunks.py --scales --configs qwen3next`` (docs/benchmarks.md,
+#: "FP8 rows: int32 words, the scan cut, side rows"): qwen3next's blockwise scale rows
+#: alone take 0.068 ms cut, 1.45 ms uncut.
 MAX_SCAN_ELEMENTS = 4096
 
 
 #: Widest row tile whose side rows (block scales) move in tiles of the rows' own shape
 #: (``SIDE_WIDE``: the side tile then shares the rows' layout, at the cost of masked-off
-#: lanes). Session 9, ``sweep_sort_chunks.py --fp8``, % of copy narrow -> wide: qwen3next
-#: (512 int32 columns) blockwise 67.5 -> 88.7, MX 68.4 -> 73.5; dsv3 (2048 columns)
-#: blockwise 88.9 -> 83.2, MX 89.0 -> 71.1. At 1024 columns (session 10, ``--steps 1``:
-#: qwen3, mixtral, gptoss) default -> wide moved -2.6 to +0.9 points (docs/benchmarks.md):
-#: no gain, they stay narrow.
+#: lanes). Chosen by ``benchmarks/sweep_sort_chunks.py --fp8`` on the H200
+#: (docs/benchmarks.md, "FP8 rows: int32 words, the scan cut, side rows"), % of copy, narrow
+#: / wide: qwen3next (512 int32 columns) blockwise 67.5 / 88.7, MX 68.4 / 73.5; dsv3 (2048
+#: columns) blockwise 88.9 / 83.2, MX 89.0 / 71.1. At 1024 columns (``--steps 1``: qwen3,
+#: mixtral, gptoss) wide differs from narrow by -2.6 to +0.9 points: no gain, they stay
+#: narrow.
 SIDE_WIDE_MAX_COLS = 512
 
 

@@ -426,8 +426,9 @@ def unpermute_fp8_kernel(
     if LAYOUT == 0:
         st = tl.load(s_ptr)
     wrow = w_ptr + t * stride_w
-    # No load-ahead of the next route here: on the H200 it made this kernel slower (MXFP8
-    # merge at qwen3 78% -> 60% of copy), while the bf16 merge gained (docs/benchmarks.md).
+    # No load-ahead of the next route here: on the H200 it makes this kernel slower (MXFP8
+    # merge at qwen3: 78% of copy without, 60% with), while the bf16 merge gains from it
+    # (docs/benchmarks.md, "FP8 merge (`fp8_merge_tile`; no load-ahead)").
     for s in range(0, n):
         d, lmask, bad = _checked_row(tl.load(mrow + s).to(tl.int64), N_IN, hmask, bad, BLOCK_H)
         b = tl.load(q_ptr + d * H + cols, mask=lmask, other=0, eviction_policy=EVICT)

@@ -6,8 +6,9 @@ STEPS steps per program, R row ranges in ``fill`` (rows no route writes), Z prog
 sharing the last one.
 
 A program takes STEPS chunks of ``GROUPS * BS`` columns of one token's high-precision row
-in turn. (Issuing chunk i + 1's load before chunk i's stores gave wrong bits on an H100
-with Triton 3.6, blockwise at H = 7168, while the interpreter agreed: session 17.) It reads
+in turn, each chunk loaded at its step: issuing chunk i + 1's load before chunk i's stores
+gave wrong bits on an H100 with Triton 3.6 (blockwise, H = 7168) while the interpreter agreed
+(docs/benchmarks.md, "Column steps and tiles (`_consts`)"). It reads
 each chunk once, quantizes it with the same code as ``qmoe.quantize`` (``quantize_tile``: one
 scale per block, or a given per-tensor scale) and writes the fp8 bits and the scale blocks
 to every output row of the token's routes; the token's map row is read (or built) once per

@@ -139,8 +139,9 @@ def sort_chunks_kernel(
         else:
             src = chunk_sources(rows, idx, idx_in, sz, szs, end, T, C, INVERSE, BLOCK_C)
         # every load before any store, so the stores do not wait on the probs' and side
-        # rows' loads (dsv3 FP8 blockwise in bytes: 58 -> 72% of copy, session 9); those
-        # move in the first column program (masked off in the others: no memory traffic)
+        # rows' loads (docs/benchmarks.md, "FP8 rows: int32 words, the scan cut, side
+        # rows"); those move in the first column program (masked off in the others: no
+        # memory traffic)
         m = rmask[:, None] & hmask[None, :]
         x = tl.load(inp_ptr + src[:, None] * stride_in + cols[None, :], mask=m)
         pm = rmask & (tl.zeros_like(rows) + tl.program_id(1) == 0)  # [BLOCK_R]
