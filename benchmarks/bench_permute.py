@@ -102,8 +102,8 @@ def run_config(name: str, copy_bw: float, dev: str = "cuda", ops: str = "",
     _, order = torch_permute(x, ids, n)
     row_bytes = h * 2
     map_bytes = mask.numel() + rid.numel() * 4
-    # an index map: the int64 ids read, its [T, 2K+1] int32 map written (the [T, 2E+1]
-    # mask map's size was counted here until session 15: about 1.5% too many bytes at dsv3)
+    # an index map: the int64 ids read, its [T, 2K+1] int32 map written (not the [T, 2E+1]
+    # mask map's size, which would count about 1.5% too many bytes at dsv3)
     index_bytes = ids.numel() * 8 + t * (2 * k + 1) * 4
     move = (t + n) * row_bytes
     cases = {
@@ -121,8 +121,8 @@ def run_config(name: str, copy_bw: float, dev: str = "cuda", ops: str = "",
             lambda: torch.ops.qmoe.make_row_id_map(mask, n, False, 1), map_bytes),
         "permute rows only": (lambda: torch.ops.qmoe.permute(x, rid, None, n), move),
         # Merges count rows only: a token reads the count and its K slots of its map row
-        # (a few sectors), not the whole [2E+1] row (until 2026-12-04 the whole map was
-        # counted, which overstated qwen3next's merge by 9%).
+        # (a few sectors), not the whole [2E+1] row (counting the whole map would overstate
+        # qwen3next's merge by 9%).
         "unpermute(merging_probs)": (lambda: qmoe.moe_unpermute(y, rid, probs), move),
         "unpermute(no probs)": (lambda: qmoe.moe_unpermute(y, rid), move),
         "permute backward": (lambda: torch.ops.qmoe.unpermute(y, rid, None), move),
@@ -150,7 +150,7 @@ def run_config(name: str, copy_bw: float, dev: str = "cuda", ops: str = "",
             lambda qy=qy: qmoe.moe_sort_chunks_by_index(qy, sizes, chunk_order),
             2 * n * per_row)
         if q.raw_scale.dim():  # the op moves the scale rows as side rows of the bits (one
-            # launch on CUDA); until session 8 it sorted them apart: two launches
+            # launch on CUDA); this case sorts them apart, two launches, for reference
             cases[f"fp8 {rname}: sort_chunks, two launches"] = (
                 lambda qy=qy: (
                     torch.ops.qmoe.sort_chunks(qy.qdata.view(torch.uint8), sizes, chunk_order,

@@ -1,6 +1,6 @@
 """Driver for Nsight Compute: the fused mask permute and the scatter alone (prebuilt map)
 on dsv3-sized FP8 rows (uint8 bits + fp32 blockwise scale rows), each launched once after
-warm-up (session 7; docs/benchmarks.md).
+warm-up. Results: docs/benchmarks.md, "FP8 rows: the ceiling".
 
     ncu --clock-control none --kernel-name regex:"permute_mask_kernel|permute_scatter_kernel" \
         --launch-skip 4 --launch-count 2 --set full python3 benchmarks/ncu_fp8_permute.py dsv3

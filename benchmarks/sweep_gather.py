@@ -1,16 +1,15 @@
 """Sweep the merge (unpermute gather) kernel: tile x warps x pipeline stages x cache
 hint, and a two-routes-a-step variant, next to the whole ``moe_unpermute`` op (CUDA-graph
 medians); ``--more`` adds an even split of H over the column programs and the FP8 merge.
-(Its ``--wgrad`` sweep of the separate weight-gradient kernel went with that kernel in
-session 8: ``sweep_merge_backward.py`` sweeps the one-pass backward that replaced it.)
+The weighted merge's backward has a sweep of its own, ``sweep_merge_backward.py``.
+Results: docs/benchmarks.md, "bf16 merge tiles (`merge_tile`)" and "FP8 merge
+(`fp8_merge_tile`; no load-ahead)".
 
     python benchmarks/sweep_gather.py [--out sweep_gather.json] [--configs dsv3,qwen3]
 
-Bytes as in bench_permute.py's "unpermute(merging_probs)": N rows read, T rows written
-(runs before 2026-12-04 11:00 UTC also counted the whole row_id_map; docs/benchmarks.md
-gives their figures recomputed from the recorded times). The variant kernels live here;
-the two-routes-a-step form ("gather_pairs", a kernel of its own here until e66917c) is
-now ``unpermute_gather_kernel``'s PAIRS. Each sums the same rows in the same order
+Bytes as in bench_permute.py's "unpermute(merging_probs)": N rows read, T rows written.
+The variant kernels live here; the two-routes-a-step form ("gather_pairs") is
+``unpermute_gather_kernel``'s PAIRS. Each sums the same rows in the same order
 (bit-identical, checked in the run).
 """
 
@@ -216,7 +215,7 @@ def sweep_config(name: str, copy_bw: float, more: bool = False,
               {"PAIRS": True})]
     cases += [(f"gather_r R={r} evict_first", gather_r_kernel, "evict_first", small, {"R": r})
               for r in (2, 4)]
-    if quick:  # the forms that won on 2026-12-04
+    if quick:  # the small evict-first tiles, among them the launchers' (backend.merge_tile)
         cases = [c for c in cases if c[3] is small]
     if not weighted:  # the merge kernel (two routes a step) against one route a step
         one = ((h, (max(1, min(8, h // 512)),)),) if h & (h - 1) == 0 and h <= 4096 else ()

@@ -1,8 +1,8 @@
 """Sweep the weighted merge's backward in one pass (``merge_backward_triton``: routes a
-step x columns a tile x warps). CUDA-graph medians, % of copy bandwidth. Until session 8
-it also timed the two-kernel form the one pass replaced (the weighted scatter of the
-gradient, then a separate weight-gradient kernel into a zeroed fp32 [T, P], then a cast);
-that kernel is gone, its figures are in docs/benchmarks.md.
+step x columns a tile x warps), the tilings ``backend.merge_backward_tile`` chooses from.
+CUDA-graph medians, % of copy bandwidth. Results, with the two-kernel form as a reference
+(a weighted scatter of the gradient, then a weight-gradient kernel into a zeroed fp32
+[T, P], then a cast): docs/benchmarks.md, "Merge backward (`merge_backward_tile`)".
 
     python benchmarks/sweep_merge_backward.py [--out F] [--configs dsv3,mixtral]
         [--kb 2,4] [--block-h 1024,2048] [--warps 4,8]

@@ -76,8 +76,9 @@ def run_config(name, copy_bw, block_hs, steps_list, warps, random_sizes) -> list
 
 def run_scales(name, copy_bw) -> list[dict]:
     """The sort of FP8 scale rows (blockwise fp32 1x128, MX e8m0 1x32: 16-224 bytes a row),
-    the slow case of session 8: the gather path, the kernel as it was measured (byte lanes,
-    uncut tiles), and with the int32 words and the cut tiles each alone and together."""
+    the case ``MAX_SCAN_ELEMENTS`` cuts tiles for (docs/benchmarks.md, "FP8 rows: int32
+    words, the scan cut, side rows"): the gather path, the kernel in byte lanes with uncut
+    tiles, and with the int32 words and the cut tiles each alone and together."""
     import qmoe
 
     t, h, e, k = CONFIGS[name]
@@ -108,8 +109,9 @@ def run_fp8(name, copy_bw, steps_list) -> list[dict]:
     two launches (bits, then scales) against one launch, bytes or int32 words, ``steps``
     row tiles a program, the side tiles in the rows' layout (``side_wide``), byte side
     rows as int32 words (``side_words``, MX), and the launcher's default. Bytes: bits and
-    scale rows, read once, written once. (Session 9 also timed the side rows in a column
-    program of their own: 10-35 points slower everywhere, removed.)"""
+    scale rows, read once, written once. Results: docs/benchmarks.md, "FP8 rows: int32
+    words, the scan cut, side rows" (which also gives side rows in a column program of
+    their own: 10-35 points slower, so the kernel has no such form)."""
     import qmoe
 
     t, h, e, k = CONFIGS[name]

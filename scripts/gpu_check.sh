@@ -9,7 +9,7 @@
 #   ran and failed) so the benchmarks run inside the device call's limit (default: no limit).
 # The GPU machine has torch and Triton but no network: nothing is installed here,
 # qmoe is used from the checkout through PYTHONPATH.
-# The device tool brings back at most 8 files from $OUT (session 16 lost two): this script
+# The device tool brings back at most 8 files from $OUT (more are dropped): this script
 # writes env.txt, tests.log and a .json and a .log per benchmark, 8 with the default three;
 # extra commands in the same call should write into those or skip files of their own.
 set -uo pipefail
@@ -34,7 +34,7 @@ export QMOE_GPU_CHECK=1
 eval "set -- ${QMOE_TESTS:-tests} ${QMOE_PYTEST_ARGS:-}"
 # No pkill of leftovers here: timeout signals its whole process group (pytest and its
 # compile workers), and tests/test_scripts.py runs this script inside a pytest job, where
-# a pkill by name killed every pytest job at once (session 15).
+# a pkill by name would kill every pytest job at once.
 run_pytest() {  # run_pytest LOG ARGS...: one pytest under the time limit; prints its rc
   local log=$1; shift
   timeout --signal=INT --kill-after=30 "${QMOE_TEST_SECONDS:-0}" python3 -m pytest "$@" -q -p no:cacheprovider -rfE --tb=short --durations=25 -o faulthandler_timeout=180 ${K:+-k "$K"} > "$log" 2>&1
@@ -46,7 +46,7 @@ if [ "${QMOE_TESTS:-}" != none ]; then  # QMOE_TESTS=none: benchmarks only
   # QMOE_TEST_JOBS=N: N pytest processes share the GPU (the suite is mostly Triton and
   # Inductor compile time, which is CPU-bound), test ids dealt round-robin so that the
   # files with many kernel variants spread over the jobs (dealt by file, three of four
-  # jobs of session 15 hit the time limit while one had finished); one tests.log either way
+  # jobs can hit the time limit while one has finished); one tests.log either way
   jobs=${QMOE_TEST_JOBS:-1}
   files=() opts=()
   for a in "$@"; do

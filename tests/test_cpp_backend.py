@@ -176,7 +176,7 @@ def test_bad_input_is_an_exception_not_a_crash():
     with pytest.raises(ValueError, match="row_id_map must be int32"):
         ops.unpermute(x, rid.long(), None)
     # a row's route count past its S slots: refused before any entry past the row is read
-    # (the merge used to write per-route weights for that many routes)
+    # (guards against the merge writing per-route weights for that many routes)
     over = torch.full((400, 5), -1, dtype=torch.int32)
     over[:, 4] = 0
     over[0, 4] = 3000
@@ -194,8 +194,8 @@ def test_bad_input_is_an_exception_not_a_crash():
 
 
 def test_sanitizer_findings_raise():
-    """Inputs an ASan/UBSan build of csrc/ showed reading or writing out of bounds (or
-    overflowing) before their checks existed; each is a ValueError now."""
+    """Inputs that read or write out of bounds (or overflow) in csrc/ without their checks,
+    as an ASan/UBSan build showed: each must be a ValueError."""
     x = torch.arange(8.0).reshape(4, 2)
     with pytest.raises(ValueError, match="chunk 0 repeats"):  # heap overflow of src
         ops.sort_chunks(x, torch.tensor([4, 0]), torch.tensor([0, 0]), None)

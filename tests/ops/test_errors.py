@@ -115,7 +115,9 @@ _rid = qmoe.moe_permute(x, mask)[1]  # [6, 9]: every token to expert 0
         (lambda: qmoe.moe_permute(x, mask, 12, quantize=qmoe.PerTensor(),
                                   quantize_scale=torch.tensor(1.0, device="meta")), ValueError,
          "quantize_scale is on meta but inp is on cpu"),
-        # found by a fuzz of the public calls (session 16)
+        # clear errors for the calls a fuzz of the public functions found: a float
+        # quantize_scale, quantize_scale without quantize=, probs=None, quantized
+        # chunk-sort probs, a non-tuple restore_shape, sparse tensors
         (lambda: qmoe.moe_permute(x, mask, 12, quantize=qmoe.PerTensor(), quantize_scale=0.5),
          TypeError, "quantize_scale must be a one-element float tensor, got float"),
         (lambda: qmoe.moe_permute(x, mask, 12, quantize_scale=torch.tensor(0.5)), ValueError,

@@ -235,7 +235,7 @@ def test_index_map_kernel_duplicate_ids(kdevice):
 
 
 # blocks of at most 16 tokens, as the launcher's (map_tiling): on the GPU the compile of a
-# 64-token block took 105 s (session 15), of a 32-token one 19 s
+# 64-token block takes about 105 s, of a 32-token one 19 s
 @pytest.mark.parametrize("tiling", [(1, 1, 1), (4, 2, 1), (16, 1, 16), (16, 4, 3)])
 @pytest.mark.parametrize("one_launch", [False, True], ids=["three_launches", "one_launch"])
 def test_mask_map_kernel_tilings(kdevice, tiling, one_launch):

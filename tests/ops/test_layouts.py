@@ -125,8 +125,8 @@ def test_cpu_paths_refuse_a_bad_probs_column(bad_col):
                                          ("count", -1)])
 def test_cpu_paths_refuse_a_corrupted_map(where, value):
     """A kept route naming a row outside the permuted rows, or a route count outside [0, S],
-    is a ValueError on both CPU paths alike (the torch path used to drop a negative row and
-    ignore the count, the C++ path raised)."""
+    is a ValueError on both CPU paths alike (guards against the torch path dropping a
+    negative row or ignoring the count where the C++ path raises)."""
     x = torch.randn(6, 8)
     m = torch.zeros(6, 3, dtype=torch.bool)
     m[:, :2] = True

@@ -55,7 +55,8 @@ def test_fused_kernel_matches_two_steps(kdevice, recipe, t, h, e, k, kind, extra
             want = _two_step(x.cpu(), rid.cpu(), p.cpu(), n, *_args(r, x.cpu()))
             # rows no route writes: flagged pass, or zeroed in-launch; the default tiling
             # (at H >= 4096 one step a program), and on CUDA the wide rows also in one
-            # program (steps=0: a form that gave wrong bits once, session 17)
+            # program (steps=0; guards against the wrong bits that loading chunk i + 1
+            # before chunk i's stores gave on an H100)
             for f, steps in itertools.product(
                     (None, fill), (1, 0) if kdevice == "cuda" and h >= 4096 else (None,)):
                 got = quantize_permute_triton(x, rid, p, n, *_args(r, x), f, steps=steps,
