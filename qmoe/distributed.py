@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from qmoe._library import define
 from qmoe.ops import moe_permute, moe_sort_chunks_by_index, moe_unpermute
-from qmoe.ops._checks import ID_LIMIT, MASK_FROM_IDS, check_mask_values
+from qmoe.ops.checks import ID_LIMIT, MASK_FROM_IDS, check_mask_values
 from qmoe.ops.row_id_map import _compact, num_slots
 from qmoe.tensors.base import QuantizedTensor, register_passthrough
 

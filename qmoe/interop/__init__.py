@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from qmoe.ops._checks import register_foreign_rules
+from qmoe.ops.checks import register_foreign_rules
 
 
 def from_torchao(t: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from qmoe._library import define
-from qmoe.ops import _checks as C
+from qmoe.ops import checks as C
 from qmoe.ops.backend import permute_rows
 from qmoe.ops.quantize_permute import quantize_and_permute
 from qmoe.ops.row_id_map import num_slots
@@ -344,7 +344,7 @@ def moe_permute_and_pad_with_probs(
             raise TypeError(f"{fn}: tokens_per_expert must hold integer counts, got "
                             f"{tokens_per_expert.dtype}; pass tokens_per_expert.long() (or "
                             "None: the mask's column counts)")
-        C.check_tensor(fn, "tokens_per_expert", tokens_per_expert, ndim=1, dtypes=C._INTS)
+        C.check_tensor(fn, "tokens_per_expert", tokens_per_expert, ndim=1, dtypes=C.INT_DTYPES)
         if tokens_per_expert.device.type != "cpu":
             C.check_same_device(fn, "inp", inp, tokens_per_expert=tokens_per_expert)
         if tokens_per_expert.shape[0] != routing_map.shape[1]:

@@ -22,7 +22,7 @@ import torch
 
 from qmoe._intmath import cdiv, next_pow2
 from qmoe._library import define
-from qmoe.ops import _checks as C
+from qmoe.ops import checks as C
 from qmoe.ops.backend import assert_options, scatter_tile, tail_programs, unit_stride
 from qmoe.ops.permute_mask import (
     _backward,

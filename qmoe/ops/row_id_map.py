@@ -38,7 +38,7 @@ import torch
 
 from qmoe._intmath import cdiv, next_pow2, prev_pow2
 from qmoe._library import define
-from qmoe.ops._checks import ID_LIMIT
+from qmoe.ops.checks import ID_LIMIT
 
 
 def _compact(dst: torch.Tensor, col: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ import torch
 
 from qmoe._intmath import cdiv, next_pow2
 from qmoe._library import define
-from qmoe.ops import _checks as C
+from qmoe.ops import checks as C
 from qmoe.ops.backend import assert_options, gather_rows, unit_stride
 
 #: Most chunks the one-launch Triton sort takes (every program holds the C sizes and the
@@ -300,8 +300,8 @@ def _(inp, side, split_sizes, sorted_index, probs):
 
 def _check(fn, inp, split_sizes, sorted_index, probs):
     C.check_input(fn, inp)
-    C.check_tensor(fn, "split_sizes", split_sizes, ndim=1, dtypes=C._INTS[:4])
-    C.check_tensor(fn, "sorted_index", sorted_index, ndim=1, dtypes=C._INTS[:4])
+    C.check_tensor(fn, "split_sizes", split_sizes, ndim=1, dtypes=C.SIGNED_INT_DTYPES)
+    C.check_tensor(fn, "sorted_index", sorted_index, ndim=1, dtypes=C.SIGNED_INT_DTYPES)
     if split_sizes.shape != sorted_index.shape:
         raise ValueError(
             f"{fn}: split_sizes and sorted_index must both be [C]; got "
@@ -310,7 +310,7 @@ def _check(fn, inp, split_sizes, sorted_index, probs):
     C.check_same_device(fn, "inp", inp, split_sizes=split_sizes, sorted_index=sorted_index)
     if probs is not None:
         C.check_not_quantized(fn, "probs", probs)
-        C.check_tensor(fn, "probs", probs, ndim=1, dtypes=C._PROBS)
+        C.check_tensor(fn, "probs", probs, ndim=1, dtypes=C.PROBS_DTYPES)
         if probs.shape[0] != inp.shape[0]:
             raise ValueError(
                 f"{fn}: probs has {probs.shape[0]} rows but inp has {inp.shape[0]}; both "

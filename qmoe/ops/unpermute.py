@@ -6,7 +6,7 @@ import torch
 
 from qmoe._intmath import next_pow2
 from qmoe._library import define
-from qmoe.ops import _checks as C
+from qmoe.ops import checks as C
 from qmoe.ops.backend import (
     merge_backward_tile,
     merge_weight_grad,
@@ -227,7 +227,7 @@ def moe_unpermute(
         )
     if merging_probs is not None:
         C.check_not_quantized(fn, "merging_probs", merging_probs)
-        C.check_tensor(fn, "merging_probs", merging_probs, ndim=2, dtypes=C._PROBS)
+        C.check_tensor(fn, "merging_probs", merging_probs, ndim=2, dtypes=C.PROBS_DTYPES)
     C.check_same_device(fn, "inp", inp, row_id_map=row_id_map, merging_probs=merging_probs)
     t = row_id_map.shape[0]
     if restore_shape is not None and not isinstance(restore_shape, (tuple, list, torch.Size)):

@@ -10,11 +10,15 @@ from collections.abc import Callable
 
 import torch
 
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+#: inp's dtypes (the rows the ops move in high precision)
+FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 #: probs and merging_probs: also fp64 (Megatron's ``moe_router_dtype="fp64"`` routers);
 #: kernels read them as fp32 for the merge, permuted probs keep the probs' dtype
-_PROBS = (*_FLOATS, torch.float64)
-_INTS = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+PROBS_DTYPES = (*FLOATS, torch.float64)
+#: Index maps' ids, ``split_sizes`` and ``sorted_index``: signed integers
+SIGNED_INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64)
+#: Integer masks, ``tokens_per_expert`` and a tensor ``num_out_tokens``: any integer
+INT_DTYPES = (*SIGNED_INT_DTYPES, torch.uint8)
 #: Index-map ids must be below this (the maps key experts on int32, with this value as the
 #: "unrouted" sentinel); checked by the public ops for every id dtype.
 ID_LIMIT = torch.iinfo(torch.int32).max
@@ -114,7 +118,7 @@ def register_foreign_rules(module: str, load: Callable[[], None]) -> None:
 
 
 def check_input(fn: str, inp) -> None:
-    check_tensor(fn, "inp", inp, ndim=2, dtypes=_FLOATS, fix="pass tokens as [T, H]")
+    check_tensor(fn, "inp", inp, ndim=2, dtypes=FLOATS, fix="pass tokens as [T, H]")
     load = FOREIGN_RULES.get(type(inp).__module__.partition(".")[0])
     if load is not None and not is_compiling():
         load()
@@ -152,7 +156,7 @@ def check_routing_map(fn: str, inp: torch.Tensor, routing_map, map_type: str,
     ``index_fix``: what to do instead when a mask holds expert ids."""
     if map_type not in ("mask", "index"):
         raise ValueError(f"{fn}: map_type must be 'mask' or 'index', got {map_type!r}")
-    dtypes = (torch.bool, *_INTS) if map_type == "mask" else _INTS[:4]
+    dtypes = (torch.bool, *INT_DTYPES) if map_type == "mask" else SIGNED_INT_DTYPES
     shape = "[T, E]" if map_type == "mask" else "[T, K]"
     check_tensor(fn, "routing_map", routing_map, ndim=2, dtypes=dtypes, fix=f"expected {shape}")
     if routing_map.shape[0] != inp.shape[0]:
@@ -194,7 +198,7 @@ def check_probs(fn: str, name: str, probs, t: int, p: int, ref: torch.Tensor, co
     if probs is None:
         return
     check_not_quantized(fn, name, probs)
-    check_tensor(fn, name, probs, ndim=2, dtypes=_PROBS)
+    check_tensor(fn, name, probs, ndim=2, dtypes=PROBS_DTYPES)
     if tuple(probs.shape) != (t, p):
         raise ValueError(f"{fn}: {name} must be [T, {cols}] = [{t}, {p}], got {tuple(probs.shape)}")
     check_same_device(fn, "inp", ref, **{name: probs})
@@ -229,7 +233,7 @@ def check_num_out_tokens(fn: str, num_out_tokens) -> int | None:
     if num_out_tokens is None:
         return None
     if isinstance(num_out_tokens, torch.Tensor):
-        if num_out_tokens.dim() != 0 or num_out_tokens.dtype not in _INTS:
+        if num_out_tokens.dim() != 0 or num_out_tokens.dtype not in INT_DTYPES:
             raise TypeError(
                 f"{fn}: num_out_tokens as a tensor must be 0-d integer, got "
                 f"{num_out_tokens.dtype} {tuple(num_out_tokens.shape)}; pass an int"
