@@ -41,9 +41,9 @@ from torchao.float8 import Float8TrainingTensor
 from torchao.prototype.mx_formats.mx_tensor import MXTensor
 from torchao.quantization import Float8Tensor as AOFloat8Tensor
 
-from qmoe.ops.backend import FP8_BLOCK_E8M0, FP8_BLOCK_FP32, FP8_PER_TENSOR
 from qmoe.ops.fp8 import permute_args
 from qmoe.tensors import Float8BlockwiseTensor, Float8Tensor, MXFP8Tensor
+from qmoe.tensors.layouts import FP8_BLOCK_E8M0, FP8_BLOCK_FP32, FP8_DTYPES, FP8_PER_TENSOR
 
 __all__ = ["from_torchao", "to_torchao", "TORCHAO_CLASSES"]
 
@@ -65,9 +65,7 @@ def _parts(t: torch.Tensor):
     if isinstance(t, MXTensor):
         if t.is_swizzled_scales:
             raise _refuse(t, "swizzled scales (is_swizzled_scales=True)")
-        if t.qdata.dim() != 2 or t.block_size != 32 or t.qdata.dtype not in (
-            torch.float8_e4m3fn, torch.float8_e5m2
-        ):
+        if t.qdata.dim() != 2 or t.block_size != 32 or t.qdata.dtype not in FP8_DTYPES:
             raise _refuse(t, f"block_size={t.block_size}, {t.qdata.dtype} {tuple(t.shape)}")
         return t.qdata, t.scale, True
     if isinstance(t, AOFloat8Tensor):

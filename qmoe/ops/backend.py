@@ -15,6 +15,7 @@ import torch
 from qmoe._intmath import cdiv, next_pow2
 from qmoe.ops.row_id_map import num_slots, unit_stride
 from qmoe.tensors.base import e8m0_to_fp32, expand_block_scales
+from qmoe.tensors.layouts import FP8_BLOCK_E8M0, FP8_PER_TENSOR, fp8_fields
 
 
 def assert_options() -> dict[str, bool]:
@@ -334,8 +335,6 @@ def gather_rows(
     return out
 
 
-FP8_PER_TENSOR, FP8_BLOCK_FP32, FP8_BLOCK_E8M0 = 0, 1, 2  # scale layouts of quantized rows
-
 
 def dequantize_rows(qbits, scale, layout: int, block_size: int, fp8_dtype) -> torch.Tensor:
     """fp32 ``qdata * scale`` of raw quantized rows (torch), as ``QuantizedTensor`` defines it."""
@@ -373,17 +372,18 @@ def unpermute_fp8_rows(
     if t == 0 or h == 0:
         return out
     bh, nw, evict = fp8_merge_tile(h)
-    e4m3 = fp8_dtype == torch.float8_e4m3fn
+    mb, bias = fp8_fields(fp8_dtype)
     if num_slots(rid) == 0:
         return out.zero_()  # no routes: nothing to read
     w, p = _weights_arg(weights, qbits)
     scale, rid = scale.contiguous(), rid.contiguous()
-    if layout != 0 and qbits.shape[0] == 0:  # the kernel reads scale row 0 of a bad route
+    # the kernel reads scale row 0 of a bad route
+    if layout != FP8_PER_TENSOR and qbits.shape[0] == 0:
         scale = scale.new_zeros((1, scale.shape[-1]))
     unpermute_fp8_kernel[(t, cdiv(h, bh))](
         qbits.contiguous(), scale, out, rid, w, h, num_slots(rid),
         qbits.shape[0], scale.shape[-1] if scale.dim() else 1, w.stride(0), p,
-        LAYOUT=layout, BS=max(block_size, 1), MB=3 if e4m3 else 2, BIAS=7 if e4m3 else 15,
+        LAYOUT=layout, BS=max(block_size, 1), MB=mb, BIAS=bias,
         HW_CAST=qbits.is_cuda, HAS_W=weights is not None, BLOCK_H=bh, EVICT=evict,
         num_warps=nw, **assert_options(),  # check_routes
     )

@@ -10,8 +10,10 @@ from collections.abc import Callable
 
 import torch
 
-#: inp's dtypes (the rows the ops move in high precision)
-FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+from qmoe.tensors.layouts import HP_DTYPES
+
+#: inp's dtypes: the high-precision ones (the rows the ops move unquantized)
+FLOATS = HP_DTYPES
 #: probs and merging_probs: also fp64 (Megatron's ``moe_router_dtype="fp64"`` routers);
 #: kernels read them as fp32 for the merge, permuted probs keep the probs' dtype
 PROBS_DTYPES = (*FLOATS, torch.float64)

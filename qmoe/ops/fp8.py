@@ -24,14 +24,9 @@ from qmoe._library import define
 from qmoe.ops import permute_index as _permute_index  # noqa: F401  (qmoe::permute_index)
 from qmoe.ops import permute_mask as _permute_mask  # noqa: F401  (defines qmoe::permute_mask)
 from qmoe.ops import sort_chunks as _sort_chunks  # noqa: F401  (defines qmoe::sort_chunks_rows)
-from qmoe.ops.backend import (
-    FP8_BLOCK_E8M0,
-    FP8_BLOCK_FP32,
-    FP8_PER_TENSOR,
-    permute_rows,
-    unpermute_fp8_rows,
-)
+from qmoe.ops.backend import permute_rows, unpermute_fp8_rows
 from qmoe.tensors.base import QuantizedTensor, register_passthrough
+from qmoe.tensors.layouts import FP8_BLOCK_E8M0, FP8_BLOCK_FP32, FP8_PER_TENSOR
 from qmoe.tensors.types import MXFP8Tensor
 
 ops = torch.ops.qmoe

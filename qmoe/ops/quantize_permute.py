@@ -19,12 +19,11 @@ from qmoe._intmath import cdiv, next_pow2
 from qmoe._library import define
 from qmoe.ops.backend import assert_options, unit_stride
 from qmoe.ops.row_id_map import num_slots
+from qmoe.tensors.layouts import SCALE_GIVEN, SCALE_MODES, emax_elem, fp8_fields
 from qmoe.tensors.quantize import (
     EPS,
-    SCALE_MODES,
     _check_block_args,
     _check_dtypes,
-    _emax_elem,
     _plain,
     _scale_mode,
     check_given_scale,
@@ -107,10 +106,10 @@ def _consts(x, fp8_dtype, scale_mode, bs, nb, tile, steps) -> dict:
     if steps is None:
         steps = 0 if x.shape[1] < 4096 else 1
     groups = max(1, min(tile // bs, next_pow2(nb)))
-    e4m3 = fp8_dtype == torch.float8_e4m3fn
-    return dict(FP8_MAX=fp8_max(fp8_dtype), EMAX_ELEM=_emax_elem(fp8_dtype), EPS=EPS,
-                SCALE_MODE=3 if scale_mode == "given" else SCALE_MODES[scale_mode],
-                MB=3 if e4m3 else 2, BIAS=7 if e4m3 else 15, HW_CAST=x.is_cuda, BS=bs,
+    mb, bias = fp8_fields(fp8_dtype)
+    return dict(FP8_MAX=fp8_max(fp8_dtype), EMAX_ELEM=emax_elem(fp8_dtype), EPS=EPS,
+                SCALE_MODE=SCALE_GIVEN if scale_mode == "given" else SCALE_MODES[scale_mode],
+                MB=mb, BIAS=bias, HW_CAST=x.is_cuda, BS=bs,
                 GROUPS=groups, STEPS=steps or cdiv(nb, groups))
 
 

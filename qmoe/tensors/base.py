@@ -36,9 +36,9 @@ from typing import Any, ClassVar
 import torch
 from torch.utils._pytree import tree_map
 
-aten = torch.ops.aten
+from qmoe.tensors.layouts import FP8_DTYPES, HP_DTYPES
 
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+aten = torch.ops.aten
 
 OpImpl = Callable[..., Any]
 
@@ -288,7 +288,7 @@ class QuantizedTensor(torch.Tensor):
             raise ValueError(f"{name}: qdata must have at least one dim [..., H], got a scalar")
         if s.dtype not in self.scale_dtypes:
             raise TypeError(f"{name}: scale must be {self.scale_dtypes[0]}, got {s.dtype}")
-        if self.orig_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        if self.orig_dtype not in HP_DTYPES:
             raise TypeError(
                 f"{name}: orig_dtype must be float32, bfloat16 or float16, got {self.orig_dtype}"
             )

@@ -21,30 +21,28 @@ scale op is torch code on every device.
 
 from __future__ import annotations
 
-from types import MappingProxyType
-
 import torch
 
 from qmoe._intmath import cdiv, next_pow2
 from qmoe._library import define
 from qmoe.tensors.base import QuantizedTensor
+from qmoe.tensors.layouts import (
+    E8M0_MODES,
+    FP8_DTYPES,
+    HP_DTYPES,
+    OP_BLOCK_SIZES,
+    SCALE_GIVEN,
+    SCALE_MODES,
+    emax_elem,
+    fp8_fields,
+)
 from qmoe.tensors.recipes import MXFP8, Blockwise, PerTensor, Recipe, fp8_max
 from qmoe.tensors.types import Float8BlockwiseTensor, Float8Tensor, MXFP8Tensor
 
 __all__ = ["quantize", "dequantize", "quantize_reference", "quantize_rows_triton"]
 
 EPS = 1e-12  # smallest amax used for a scale, so all-zero blocks get a finite scale
-#: scale_mode name -> the kernels' SCALE_MODE constexpr (read-only: no module-level mutable
-#: state; 3 is the per-tensor "given" scale, which takes no mode name here)
-SCALE_MODES = MappingProxyType({"amax": 0, "pow2": 1, "mx_floor": 2, "mx_rceil": 4})
-#: the modes whose scales are e8m0 bytes (``uint8``)
-E8M0_MODES = frozenset({"mx_floor", "mx_rceil"})
-_HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _F32_MIN_NORMAL = 2.0**-126
-
-
-def _emax_elem(fp8_dtype: torch.dtype) -> int:
-    return 8 if fp8_dtype == torch.float8_e4m3fn else 15
 
 
 def scale_dtype(scale_mode: str) -> torch.dtype:
@@ -91,7 +89,7 @@ def _reference_blocks(x, block_size, fp8_dtype, scale_mode):
         # 2**-126 (below, as torchao), and byte 0 (2**-127) would give them back at half
         # their value; an all-zero block keeps byte 0
         low = (amax > 0).int() - 127  # int32, as exp
-        biased = torch.maximum(exp - _emax_elem(fp8_dtype), low).clamp(max=128) + 127
+        biased = torch.maximum(exp - emax_elem(fp8_dtype), low).clamp(max=128) + 127
         biased = torch.where(amax.isnan(), 255, biased)
         scale_out = biased.to(torch.uint8)  # e8m0 bits
         divisor = (biased << 23).view(torch.float32).clamp(min=_F32_MIN_NORMAL)
@@ -189,7 +187,7 @@ def quantize_rows_triton(
     h = x.shape[-1]
     nb = _num_blocks(h, block_size)
     if scale_mode == "given":
-        mode = 3
+        mode = SCALE_GIVEN
         q = torch.empty(x.shape, dtype=fp8_dtype, device=x.device) if out is None else out[0]
         s_out = scale
     else:
@@ -212,7 +210,7 @@ def quantize_rows_triton(
     else:
         block_r, groups, num_warps = tile
     grid = (cdiv(r, block_r), cdiv(nb, groups))
-    e4m3 = fp8_dtype == torch.float8_e4m3fn
+    mb, bias = fp8_fields(fp8_dtype)
     quantize_rows_kernel[grid](
         x2,
         q.view(torch.uint8),
@@ -222,11 +220,11 @@ def quantize_rows_triton(
         nb,
         x2.stride(0),
         FP8_MAX=fp8_max(fp8_dtype),
-        EMAX_ELEM=_emax_elem(fp8_dtype),
+        EMAX_ELEM=emax_elem(fp8_dtype),
         EPS=EPS,
         SCALE_MODE=mode,
-        MB=3 if e4m3 else 2,
-        BIAS=7 if e4m3 else 15,
+        MB=mb,
+        BIAS=bias,
         HW_CAST=x.is_cuda,
         BS=block_size,
         GROUPS=groups,
@@ -239,9 +237,9 @@ def quantize_rows_triton(
 # -------------------------------------------------------------------- custom ops
 def _check_dtypes(op: str, x: torch.Tensor, fp8_dtype: torch.dtype) -> None:
     """The direct ops' dtypes (``qmoe.quantize`` checks them before), as the C++ ops do."""
-    if x.dtype not in _HP_DTYPES:
+    if x.dtype not in HP_DTYPES:
         raise TypeError(f"qmoe::{op}: x must be fp32, bf16 or fp16, got {x.dtype}")
-    if fp8_dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+    if fp8_dtype not in FP8_DTYPES:
         raise TypeError(f"qmoe::{op}: fp8_dtype must be torch.float8_e4m3fn or "
                         f"torch.float8_e5m2, got {fp8_dtype}")
 
@@ -249,10 +247,11 @@ def _check_dtypes(op: str, x: torch.Tensor, fp8_dtype: torch.dtype) -> None:
 def _check_block_args(x, block_size, fp8_dtype, scale_mode, op="quantize_blocks") -> None:
     """A direct op's block arguments (``qmoe.quantize`` builds them from a checked recipe)."""
     _check_dtypes(op, x, fp8_dtype)
-    if not (isinstance(block_size, int) and 1 <= block_size <= 4096
+    lo, hi = OP_BLOCK_SIZES
+    if not (isinstance(block_size, int) and lo <= block_size <= hi
             and block_size & (block_size - 1) == 0):
-        raise ValueError(f"qmoe::{op}: block_size must be a power of two in [1, 4096], got "
-                         f"{block_size!r}")
+        raise ValueError(f"qmoe::{op}: block_size must be a power of two in [{lo}, {hi}], "
+                         f"got {block_size!r}")
     if scale_mode not in SCALE_MODES:
         raise ValueError(f"qmoe::{op}: scale_mode must be one of {sorted(SCALE_MODES)}, got "
                          f"{scale_mode!r}")
@@ -362,7 +361,7 @@ def quantize(
 
     if isinstance(x, QuantizedTensor):
         raise TypeError("quantize: x is already quantized; dequantize() it first")
-    if x.dtype not in _HP_DTYPES:
+    if x.dtype not in HP_DTYPES:
         raise TypeError(f"quantize: x must be float32, bfloat16 or float16, got {x.dtype}")
     if x.dim() == 0:
         raise ValueError("quantize: x must have at least one dim [..., H], got a scalar")

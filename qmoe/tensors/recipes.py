@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["PerTensor", "Blockwise", "MXFP8", "Recipe", "fp8_max"]
+from qmoe.tensors.layouts import BLOCKWISE_BLOCK_SIZES, FP8_DTYPES
 
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+__all__ = ["PerTensor", "Blockwise", "MXFP8", "Recipe", "fp8_max"]
 
 
 def fp8_max(fp8_dtype: torch.dtype) -> float:
@@ -22,7 +22,7 @@ def _check_pow2(recipe: str, flag) -> None:
 
 
 def _check_fp8(recipe: str, fp8_dtype: torch.dtype) -> None:
-    if fp8_dtype not in _FP8:
+    if fp8_dtype not in FP8_DTYPES:
         raise TypeError(
             f"{recipe}: fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, "
             f"got {fp8_dtype!r}"
@@ -60,9 +60,10 @@ class Blockwise:
         _check_fp8("Blockwise", self.fp8_dtype)
         _check_pow2("Blockwise", self.power_of_two_scale)
         bs = self.block_size
-        if not isinstance(bs, int) or bs < 16 or bs > 1024 or bs & (bs - 1):
+        lo, hi = BLOCKWISE_BLOCK_SIZES
+        if not isinstance(bs, int) or bs < lo or bs > hi or bs & (bs - 1):
             raise ValueError(
-                f"Blockwise: block_size must be a power of two in [16, 1024], got {bs!r}"
+                f"Blockwise: block_size must be a power of two in [{lo}, {hi}], got {bs!r}"
             )
 
 

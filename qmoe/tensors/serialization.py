@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from qmoe.tensors.layouts import check_block_size
+
 if TYPE_CHECKING:
     from qmoe.tensors.base import QuantizedTensor
 
@@ -87,9 +89,8 @@ def validate(t: QuantizedTensor) -> None:
             raise ValueError(f"{name}: {n} is fixed by the class "
                              f"({getattr(type(t), n)!r}) and cannot be "
                              f"{_describe(d[n])}")
-    bs = t.block_size
-    if bs is not None and (not isinstance(bs, int) or isinstance(bs, bool) or bs <= 0):
-        raise ValueError(f"{name}: block_size must be a positive int, got {bs!r}")
+    if t.block_size is not None:
+        check_block_size(name, t.block_size)
     t._check_layout()
     _check_wrapper(t)
     _check_scale_values(t)

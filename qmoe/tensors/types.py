@@ -12,6 +12,7 @@ from typing import ClassVar
 import torch
 
 from qmoe.tensors.base import QuantizedTensor, e8m0_to_fp32, rebuild_quantized
+from qmoe.tensors.layouts import check_block_size
 
 __all__ = ["Float8Tensor", "Float8BlockwiseTensor", "MXFP8Tensor"]
 
@@ -40,10 +41,7 @@ class Float8BlockwiseTensor(QuantizedTensor):
     block_size: int
 
     def __new__(cls, qdata, scale, orig_dtype, block_size=128, *, requires_grad=False):
-        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
-            raise ValueError(
-                f"Float8BlockwiseTensor: block_size must be a positive int, got {block_size!r}"
-            )
+        check_block_size("Float8BlockwiseTensor", block_size)
         return super().__new__(
             cls, qdata, scale, orig_dtype, block_size, requires_grad=requires_grad
         )
