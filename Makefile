@@ -30,7 +30,7 @@ lint:
 	lint-imports
 
 bench: setup
-	$(PY) benchmarks/bench_quantize.py
+	$(PY) -m benchmarks bench quantize
 
 # Every Triton kernel variant compiled for sm_90 with the GPU machine's Triton (3.6), which
 # goes into .triton36/ beside this machine's own (tests/ops/test_sm90_compile.py's main).

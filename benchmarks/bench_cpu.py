@@ -1,16 +1,24 @@
-"""CPU paths side by side: C++ kernels (qmoe._C), the vectorized torch path, plain PyTorch.
+r"""CPU paths side by side: C++ kernels (qmoe._C), the vectorized torch path, plain PyTorch.
 
-    python benchmarks/bench_cpu.py [--out results.json] [--iters 5] [--cpp-only]
+    python -m benchmarks.bench_cpu [--out results.json] [--iters 5] [--cpp-only]
     GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736 \
-        python benchmarks/bench_cpu.py --out reuse.json   # outputs reuse faulted-in pages
+        python -m benchmarks.bench_cpu --out reuse.json   # outputs reuse faulted-in pages
 
-Configs (T, H, E, K), bf16: dsv3 (4096, 7168, 256, 8) and mixtral (8192, 4096, 8, 2).
+Configs (T, H, E, K), bf16: dsv3 (4096, 7168, 256, 8) and mixtral (8192, 4096, 8, 2);
+``--configs`` picks others of the shared table (``--configs tiny``: a smoke run).
 Bytes: each input row read once and each output row written once. The ceiling is a
 single-threaded memcpy (numpy copyto of 512 MiB, bytes read + written, into a buffer
 already written once) measured in the same run; next to it the same copy into a fresh
 buffer each time (what any op with a new large output pays: with glibc's defaults every
 large block is a fresh mmap, whose pages the kernel zero-fills on first touch). Medians
 over --iters runs; the JSON records GLIBC_TUNABLES.
+
+A module of its own, not a ``python -m benchmarks`` command: what it measures depends on the
+process's allocator (glibc's tunables are read when the process starts, and each output's
+pages are fresh or reused according to what the process freed before), so it runs in a
+process that does nothing else: no Triton kernels or GPU benchmark modules loaded, only
+qmoe, numpy and the shared shapes (``benchmarks.common.CONFIGS``). Its JSON differs too (a
+memcpy ceiling, system time, no CUDA environment).
 """
 
 from __future__ import annotations
@@ -24,16 +32,11 @@ import sys
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from common import median_ms  # noqa: E402
-
-import qmoe  # noqa: E402
-from qmoe._backends import cpp_loaded  # noqa: E402
-from qmoe.ops import backend as B  # noqa: E402
-from qmoe.ops.row_id_map import _mask_rows  # noqa: E402
-
-CONFIGS = {"dsv3": (4096, 7168, 256, 8), "mixtral": (8192, 4096, 8, 2)}
+import qmoe
+from benchmarks.common import CONFIGS, median_ms
+from qmoe._backends import cpp_loaded
+from qmoe.ops import backend as B
+from qmoe.ops.row_id_map import _mask_rows
 
 
 def memcpy_gbs(fresh: bool = False) -> float:
@@ -105,13 +108,20 @@ def run_config(name: str, bw: float, iters: int, cpp_only: bool = False) -> list
     return rows
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_cpu", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None)
     p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--configs", default="dsv3,mixtral",
+                   help="comma list of benchmarks.common.CONFIGS names")
     p.add_argument("--cpp-only", action="store_true",
                    help="time the C++ path alone (no torch-path or plain-PyTorch runs between)")
-    a = p.parse_args()
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = build_parser().parse_args(argv)
     if not cpp_loaded():
         print("bench_cpu: qmoe._C is not built (QMOE_SKIP_CPP_BUILD=1?); nothing to compare")
         return
@@ -120,7 +130,7 @@ def main() -> None:
     print(f"single-thread memcpy {bw:.1f} GB/s (into a fresh buffer: {fresh_bw:.1f} GB/s); "
           f"GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '')!r}", file=sys.stderr)
     rows = []
-    for name in CONFIGS:
+    for name in a.configs.split(","):
         rows += run_config(name, bw, a.iters, a.cpp_only)
     payload = {"bench": "cpu", "torch": torch.__version__, "threads": torch.get_num_threads(),
                "memcpy_1thread_GB/s": round(bw, 2),

@@ -7,6 +7,13 @@ Per recipe (bf16, blockwise, MX, per-tensor) it reports the bytes one routed row
 the wire and the median time of dispatch + combine, split into the permutation ops (permute,
 chunk sorts, unpermute) and the rest (the all-to-alls and count exchange), from timing the
 same call with the permutation ops alone on the same data.
+
+A script of its own, not a ``python -m benchmarks`` command: it is one process per rank,
+started by torchrun (which runs a file: scripts/gpu_multi.sh) or by ``--spawn``, each
+joining a process group before it measures anything. Run as a file, it imports nothing from
+the ``benchmarks`` package (the directory of the file, not the repository root, is on
+``sys.path`` then); its shapes are its options (``--tokens --hidden --experts --topk``), not
+the shared config table. ``python -m benchmarks.bench_distributed`` runs it too.
 """
 
 from __future__ import annotations
@@ -22,10 +29,8 @@ import time
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import qmoe  # noqa: E402
-from qmoe.distributed import combine, dispatch, wire_bytes_per_row  # noqa: E402
+import qmoe
+from qmoe.distributed import combine, dispatch, wire_bytes_per_row
 
 RECIPES = {"bf16": None, "blockwise128": qmoe.Blockwise(), "mxfp8": qmoe.MXFP8(),
            "pertensor": qmoe.PerTensor()}
@@ -93,8 +98,9 @@ def run(args) -> list[dict]:
     return rows
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None)
     p.add_argument("--tokens", type=int, default=1024)
     p.add_argument("--hidden", type=int, default=2048)
@@ -102,7 +108,11 @@ def main() -> None:
     p.add_argument("--topk", type=int, default=2)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--spawn", type=int, default=0, help="spawn this many Gloo ranks here")
-    a = p.parse_args()
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = build_parser().parse_args(argv)
     if a.spawn:
         import torch.multiprocessing as mp
 

@@ -1,4 +1,9 @@
-"""Shared benchmark helpers: copy-bandwidth ceiling, medians, JSON output."""
+"""Shared benchmark table and helpers: the model shapes every benchmark draws from, the FP8
+recipes, the copy-bandwidth ceiling, medians (eager, host, CUDA-graph replay), JSON output.
+
+``python -m benchmarks ...`` (benchmarks/__main__.py) runs the benchmarks; ``bench_cpu.py``
+uses this table too.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,33 @@ import platform
 import time
 
 import torch
+
+import qmoe
+
+CONFIGS = {  # name: (T, H, E, K)
+    "dsv3": (4096, 7168, 256, 8),
+    "qwen3": (16384, 4096, 128, 8),
+    "mixtral": (8192, 4096, 8, 2),
+    "gptoss": (8192, 2880, 128, 4),
+    "qwen3next": (16384, 2048, 512, 10),
+    "small": (256, 4096, 64, 8),
+    "tiny": (64, 256, 8, 2),  # CPU smoke run only
+    # sweeps only: a mask just past the one-launch size (the three-launch form at small T)
+    "mid": (1024, 4096, 64, 8),
+}
+SWEEP_ONLY = ("tiny", "mid")
+# ``bench quantize``'s shapes: tokens x hidden, no routing
+QUANTIZE_CONFIGS = {  # name: (T, H)
+    "dsv3": (16384, 7168),
+    "qwen3": (16384, 4096),
+    "gptoss": (16384, 2880),
+    "small": (128, 7168),
+}
+FP8_RECIPES = {
+    "blockwise128": qmoe.Blockwise(),
+    "mxfp8": qmoe.MXFP8(),
+    "pertensor": qmoe.PerTensor(),
+}
 
 
 def env_info() -> dict:
@@ -105,6 +137,21 @@ def write_json(path: str | None, payload: dict) -> None:
 def int_list(s: str) -> list[int]:
     """``"1,4,8"`` -> ``[1, 4, 8]`` (a sweep's command-line list)."""
     return [int(v) for v in s.split(",") if v]
+
+
+def auto_bools(s: str) -> list[bool | None]:
+    """``"auto,0,1"`` -> ``[None, False, True]`` (a sweep's list of on / off / the
+    launcher's choice)."""
+    return [None if v == "auto" else bool(int(v)) for v in s.split(",")]
+
+
+def needs_cuda(command: str) -> bool:
+    """Whether CUDA is there; if not, say that ``command`` is skipped (a GPU-only
+    benchmark returns, with exit status 0, rather than failing on its first CUDA call)."""
+    if torch.cuda.is_available():
+        return True
+    print(f"{command}: needs CUDA, skipped")
+    return False
 
 
 def variant_recorder(rows: list, config: str, nbytes: int, copy_bw: float, width: int = 40):

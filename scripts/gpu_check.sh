@@ -78,12 +78,23 @@ if [ "${QMOE_TESTS:-}" != none ]; then  # QMOE_TESTS=none: benchmarks only
   for ((j = 0; j < jobs; j++)); do echo "=== job $j"; cat "$OUT/tests.$j.part"; rm "$OUT/tests.$j.part"; done > "$OUT/tests.log"
   grep -E "^(FAILED|ERROR)| in [0-9.]+s|stopped|pytest rc" "$OUT/tests.log" | tail -60
 fi
-# QMOE_BENCHES="permute quantize sweep_permute" picks scripts (bench_<name>.py or <name>.py;
-# default: bench_permute, bench_quantize and bench_compile_fp8)
+# QMOE_BENCHES="permute quantize sweep_permute profile_small" picks benchmarks by name, each
+# `python3 -m benchmarks ...` writing $OUT/<name>.json and $OUT/<name>.log: <cmd> or
+# bench_<cmd> runs `bench <cmd>` (into bench_<cmd>.*), sweep_<cmd> `sweep <cmd>`, profile_<cmd>
+# `profile <cmd>`, cpu or bench_cpu `python3 -m benchmarks.bench_cpu`; a name that is no
+# command is skipped, leaving no files (default: bench_permute, bench_quantize and
+# bench_compile_fp8)
 [ "${QMOE_BENCHES:-}" = none ] && exit 0
-for b in $(for n in ${QMOE_BENCHES:-permute quantize compile_fp8}; do
-             [ -f benchmarks/$n.py ] && echo benchmarks/$n.py || echo benchmarks/bench_$n.py; done); do
-  [ -f "$b" ] || continue
-  n=$(basename "$b" .py)
-  python3 "$b" --out "$OUT/$n.json" > "$OUT/$n.log" 2>&1; grep ' ms ' "$OUT/$n.log" | tail -80
+for n in ${QMOE_BENCHES:-permute quantize compile_fp8}; do
+  case $n in
+    cpu | bench_cpu) n=bench_cpu; cmd=(-m benchmarks.bench_cpu) ;;
+    bench_* | sweep_* | profile_*) cmd=(-m benchmarks "${n%%_*}" "${n#*_}") ;;
+    *) cmd=(-m benchmarks bench "$n"); n=bench_$n ;;
+  esac
+  python3 "${cmd[@]}" --out "$OUT/$n.json" > "$OUT/$n.log" 2>&1
+  if [ "$?" = 2 ] && grep -q "invalid choice" "$OUT/$n.log"; then  # argparse: no such command
+    echo "gpu_check: no benchmark '$n' ($(tail -1 "$OUT/$n.log")), skipped" >&2
+    rm -f "$OUT/$n.log"; continue
+  fi
+  grep ' ms ' "$OUT/$n.log" | tail -80
 done

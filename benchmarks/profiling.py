@@ -1,0 +1,353 @@
+"""Where the time goes, for a profiler or by kernel (``python -m benchmarks profile
+kernels|map|small|ncu``): kernel durations inside a CUDA-graph replay, the host cost of small
+eager calls, and drivers that launch the mask-map and FP8 permute kernels for Nsight Compute
+(``ncu ... python3 -m benchmarks profile map|ncu``). Nothing here decides a default. They
+need CUDA; without it each says so and returns."""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import pstats
+import statistics
+import sys
+from collections import defaultdict
+
+import torch
+import triton
+import triton.language as tl
+
+import qmoe
+from benchmarks.common import (
+    CONFIGS,
+    FP8_RECIPES,
+    capture_graph,
+    env_info,
+    graph_median_ms,
+    host_us,
+    needs_cuda,
+    write_json,
+)
+from qmoe.ops.backend import permute_rows
+from qmoe.ops.permute_mask import permute_mask_triton
+from qmoe.ops.row_id_map import _mask_rows_triton, make_row_id_map
+
+# --- profile kernels -------------------------------------------------------------------
+
+
+def profile_graph(fn, replays: int) -> dict:
+    """Per-kernel median durations (us) and the median replay span (us)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    g = capture_graph(fn)
+    flush = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            flush.bitwise_not_()  # cold L2, as do_bench's zero_ (a kernel named apart)
+            torch.cuda.synchronize()
+            g.replay()
+            torch.cuda.synchronize()
+    kernels = [ev for ev in prof.events() if ev.device_type.name == "CUDA"
+               and "bitwise_not" not in ev.name.lower()]
+    # events in replay order; group them per replay by the order of kernel names
+    kernels.sort(key=lambda ev: ev.time_range.start)
+    per_launch = len(kernels) // replays
+    dur = defaultdict(list)
+    spans, sums = [], []
+    for r in range(replays):
+        evs = kernels[r * per_launch:(r + 1) * per_launch]
+        if not evs:
+            continue
+        spans.append(evs[-1].time_range.end - evs[0].time_range.start)
+        sums.append(sum(ev.time_range.end - ev.time_range.start for ev in evs))
+        for i, ev in enumerate(evs):
+            dur[f"{i}:{ev.name[:60]}"].append(ev.time_range.end - ev.time_range.start)
+    return {"kernels_us": {k: round(statistics.median(v), 2) for k, v in dur.items()},
+            "span_us": round(statistics.median(spans), 2) if spans else None,
+            "kernel_sum_us": round(statistics.median(sums), 2) if sums else None}
+
+
+def kernels_config(name: str, replays: int, picks=()) -> list[dict]:
+    t, h, e, k = CONFIGS[name]
+    n = t * k
+    x = torch.randn(t, h, dtype=torch.bfloat16, device="cuda")
+    ids = torch.rand(t, e, device="cuda").argsort(dim=1)[:, :k].contiguous()
+    mask = torch.zeros(t, e, dtype=torch.bool, device="cuda").scatter_(1, ids, True)
+    _, rid = qmoe.moe_permute(x, mask, n)
+    y = torch.randn(n, h, dtype=torch.bfloat16, device="cuda")
+    probs = torch.rand(t, e, device="cuda") * mask
+    recipe = FP8_RECIPES["blockwise128"]
+    q = qmoe.quantize(x, recipe)
+    per_row = h + q.raw_scale[0].numel() * 4
+    cases = {
+        "bf16 permute(mask)": (lambda: qmoe.moe_permute(x, mask, n), (t + n) * h * 2),
+        "fp8 blockwise permute(mask)": (lambda: qmoe.moe_permute(q, mask, n),
+                                        (t + n) * per_row),
+        "fp8 blockwise permute rows only": (lambda: torch.ops.qmoe.permute(q, rid, None, n),
+                                            (t + n) * per_row),
+        "bf16 unpermute(merging_probs)": (
+            lambda: qmoe.moe_unpermute(y, rid, merging_probs=probs), (t + n) * h * 2),
+        "fused blockwise quantize+permute(mask)": (
+            lambda: qmoe.moe_permute(x, mask, n, quantize=recipe), t * h * 2 + n * per_row),
+    }
+    rows = []
+    for case, (fn, nbytes) in cases.items():
+        if picks and not any(p in case for p in picks):
+            continue
+        src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
+        dst = torch.empty_like(src)
+        copy = profile_graph(lambda src=src, dst=dst: dst.copy_(src), replays)
+        prof = profile_graph(fn, replays)
+        rows.append({"config": name, "case": case, "bytes": nbytes, **prof,
+                     "same_bytes_copy_span_us": copy["span_us"]})
+        print(f"{name:>9} {case:>40}: span {prof['span_us']:7.2f} us (kernels "
+              f"{prof['kernel_sum_us']:7.2f}), same-bytes copy {copy['span_us']:7.2f} us "
+              f"{prof['kernels_us']}", file=sys.stderr)
+    return rows
+
+
+
+def kernels_args(p) -> None:
+    p.add_argument("--configs", default="dsv3,qwen3,qwen3next,mixtral,gptoss")
+    p.add_argument("--cases", default="", help="comma list of case-name substrings")
+    p.add_argument("--replays", type=int, default=20)
+    p.add_argument("--out", default=None)
+
+
+def kernels_main(a) -> None:
+    """Where a permute's time goes: each kernel's GPU time inside a CUDA-graph replay.
+
+        python -m benchmarks profile kernels [--configs mixtral,gptoss] [--out prof.json]
+
+    For each config and case, the call is captured in a CUDA graph and replayed under
+    ``torch.profiler``; per kernel: its median duration; per replay: the span from the first
+    kernel's start to the last one's end (so launch gaps between kernels count) and the sum
+    of kernel durations (one-element fills and asserts included). Next to them, a copy of the
+    same bytes (half read, half written, one ``copy_``) replayed alike: the ceiling for an op
+    of that size, which is below the 1 GiB copy that ``bench permute``'s percentages use.
+    Nothing here decides a default.
+    """
+    if not needs_cuda("profile kernels"):
+        return
+    rows = []
+    for name in a.configs.split(","):
+        rows += kernels_config(name, a.replays, [c for c in a.cases.split(",") if c])
+    write_json(a.out, {"bench": "profile_kernels", "env": env_info(), "results": rows})
+
+
+# --- profile map -----------------------------------------------------------------------
+
+
+def map_args(p) -> None:
+    p.add_argument("--configs", default="qwen3next,dsv3")
+    p.add_argument("--calls", type=int, default=4)
+    p.add_argument("--out", default=None,
+                   help="JSON of what ran (configs, calls, env); ncu has the measurements")
+
+
+def map_main(a) -> None:
+    """Drive the mask-map kernels a few times per config, for a hardware profiler.
+
+        ncu --clock-control none -k regex:'mask_|block_scan' --launch-skip 6 --launch-count 6 \\
+            python3 -m benchmarks profile map --configs qwen3next,dsv3
+
+    Each config runs the three mask-map launches (``_mask_rows_triton``, what
+    ``make_row_id_map(mask)`` calls on CUDA) ``--calls`` times on the bench's routing (K
+    random experts a token); nothing is timed here: ncu does the measuring.
+    """
+    if not needs_cuda("profile map"):
+        return
+    for name in a.configs.split(","):
+        t, _, e, k = CONFIGS[name]
+        ids = torch.rand(t, e, device="cuda").argsort(dim=1)[:, :k]
+        mask = torch.zeros(t, e, dtype=torch.bool, device="cuda").scatter_(1, ids, True)
+        for _ in range(a.calls):
+            _mask_rows_triton(mask, t * k, 1)
+        torch.cuda.synchronize()
+        print(name, "done", flush=True)
+    if a.out:  # what ran, for the profile it goes with (printed nowhere: ncu's output stays)
+        write_json_quiet(a.out, {"bench": "profile_map", "env": env_info(),
+                                 "configs": a.configs.split(","), "calls": a.calls})
+
+
+def write_json_quiet(path: str, payload: dict) -> None:
+    """``payload`` as JSON into ``path``, printing nothing (a profiler driver's output
+    stays the profiler's)."""
+    import json
+
+    with open(path, "w") as f:
+        f.write(json.dumps(payload, indent=2) + "\n")
+
+
+# --- profile small ---------------------------------------------------------------------
+
+
+@triton.jit
+def _empty1(x):  # (1,) any
+    pass
+
+
+@triton.jit
+def _empty24(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, n0, n1, n2, n3, n4, n5, n6,
+             n7, F0: tl.constexpr, F1: tl.constexpr, F2: tl.constexpr, F3: tl.constexpr):
+    pass
+
+
+@triton.jit
+def _empty_ptrs12(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11):
+    pass
+
+
+@triton.jit
+def _empty_ints20(a0, n0, n1, n2, n3, n4, n5, n6, n7, n8, n9, n10, n11, n12, n13, n14, n15,
+                  n16, n17, n18, n19):
+    pass
+
+
+_NOSPEC = tuple(f"n{i}" for i in range(20))
+
+
+@triton.jit(do_not_specialize=_NOSPEC)
+def _empty_ints20_nospec(a0, n0, n1, n2, n3, n4, n5, n6, n7, n8, n9, n10, n11, n12, n13, n14,
+                         n15, n16, n17, n18, n19):
+    pass
+
+
+def launches(fn) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA)
+
+
+
+def small_args(p) -> None:
+    p.add_argument("--config", default="small")
+    p.add_argument("--calls", type=int, default=300)
+    p.add_argument("--cprofile", type=int, default=25, help="top functions printed")
+    p.add_argument("--out", default=None)
+
+
+def small_main(a) -> None:
+    """Where the host time of a small eager call goes (issue 3's "small" target).
+
+        python3 -m benchmarks profile small [--config small] [--out small.json] [--cprofile 25]
+
+    For each case: host microseconds per call with calls issued back to back (the best of
+    five rounds of ``--calls / 5`` calls, one synchronize after each: the CPU-bound rate an
+    eager training step sees), the kernels one call launches (torch.profiler), and the GPU
+    time from a CUDA-graph replay. Then a cProfile of ``moe_permute(mask)`` (top functions by
+    own time). Baselines: empty Triton kernels by argument count and kind, ``torch.empty``,
+    and the mask map built with three launches and with one
+    (``_mask_rows_triton(..., one_launch=)``).
+    """
+    if not needs_cuda("profile small"):
+        return
+    t, h, e, k = CONFIGS[a.config]
+    n = t * k
+    dev = "cuda"
+    x = torch.randn(t, h, dtype=torch.bfloat16, device=dev)
+    ids = torch.rand(t, e, device=dev).argsort(dim=1)[:, :k].contiguous()
+    mask = torch.zeros(t, e, dtype=torch.bool, device=dev).scatter_(1, ids, True)
+    probs = torch.rand(t, e, device=dev)
+    y = torch.randn(n, h, dtype=torch.bfloat16, device=dev)
+    _, rid = qmoe.moe_permute(x, mask, n)
+    q = qmoe.quantize(x, qmoe.Blockwise())
+    ints = [0] * 8
+    cases = {
+        "triton empty kernel, 1 arg": lambda: _empty1[(1,)](x),
+        "triton empty kernel, 24 args": lambda: _empty24[(1,)](
+            *([x] * 12), *ints, F0=1, F1=2, F2=3, F3=4),
+        "triton empty kernel, 12 tensors": lambda: _empty_ptrs12[(1,)](*([x] * 12)),
+        "triton empty kernel, 1 tensor + 20 ints": lambda: _empty_ints20[(1,)](x, *range(20)),
+        "... same, ints do_not_specialize": lambda: _empty_ints20_nospec[(1,)](x, *range(20)),
+        "torch.empty": lambda: torch.empty(n, h, dtype=x.dtype, device=dev),
+        "x.new_empty": lambda: x.new_empty((n, h)),
+        "mask map, three launches": lambda: _mask_rows_triton(mask, n, 1, one_launch=False),
+        "mask map, one launch": lambda: _mask_rows_triton(mask, n, 1, one_launch=True),
+        "qmoe::make_row_id_map(mask)": lambda: torch.ops.qmoe.make_row_id_map(mask, n, False, 1),
+        "qmoe::permute (rows only)": lambda: torch.ops.qmoe.permute(x, rid, None, n),
+        "moe_permute(mask)": lambda: qmoe.moe_permute(x, mask, n),
+        "moe_permute(index)": lambda: qmoe.moe_permute(x, ids, n, map_type="index"),
+        "moe_permute_with_probs(mask)": lambda: qmoe.moe_permute_with_probs(x, probs, mask, n),
+        "moe_unpermute(merging_probs)": lambda: qmoe.moe_unpermute(y, rid, probs),
+        "moe_unpermute(no probs)": lambda: qmoe.moe_unpermute(y, rid),
+        "fp8 blockwise moe_permute(mask)": lambda: qmoe.moe_permute(q, mask, n),
+    }
+    rows = []
+    for name, fn in cases.items():
+        us = host_us(fn, a.calls)
+        nl = launches(fn)
+        g = graph_median_ms(fn, rep=50) if "empty" not in name[-12:] else None
+        rows.append({"case": name, "host_us": round(us, 1), "launches": nl,
+                     "graph_us": None if g is None else round(g * 1e3, 1)})
+        print(f"{name:>34}: host {us:7.1f} us/call, {nl} launches, graph "
+              f"{'-' if g is None else f'{g * 1e3:.1f}'} us", file=sys.stderr)
+    prof = cProfile.Profile()
+    fn = cases["moe_permute(mask)"]
+    prof.enable()
+    for _ in range(a.calls):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(a.cprofile)
+    print(s.getvalue(), file=sys.stderr)
+    write_json(a.out, {"bench": "profile_small", "env": env_info(), "config": a.config,
+                       "calls": a.calls, "results": rows, "cprofile": s.getvalue()})
+
+
+# --- profile ncu -----------------------------------------------------------------------
+
+
+def ncu_args(p) -> None:
+    p.add_argument("config", nargs="?", default="dsv3", help="a config name (default dsv3)")
+    p.add_argument("--out", default=None,
+                   help="JSON of what ran (config, env); ncu has the measurements")
+
+
+def ncu_main(a) -> None:
+    """Driver for Nsight Compute: the fused mask permute and the scatter alone (prebuilt map)
+    on dsv3-sized FP8 rows (uint8 bits + fp32 blockwise scale rows), each launched once after
+    warm-up. Results: docs/benchmarks.md, "FP8 rows: the ceiling".
+
+        ncu --clock-control none --kernel-name regex:"permute_mask_kernel|permute_scatter_kernel" \\
+            --launch-skip 4 --launch-count 2 --set full python3 -m benchmarks profile ncu dsv3
+
+    (the first four matching launches are the warm-up's).
+    """
+    if not needs_cuda("profile ncu"):
+        return
+    t, h, e, k = CONFIGS[a.config]
+    n = t * k
+    ids = torch.rand(t, e, device="cuda").argsort(dim=1)[:, :k]
+    mask = torch.zeros(t, e, dtype=torch.bool, device="cuda").scatter_(1, ids, True)
+    x = torch.randint(0, 255, (t, h), dtype=torch.uint8, device="cuda")
+    side = torch.rand(t, -(-h // 128), device="cuda")
+    rid, fill = make_row_id_map(mask, n, False, 1)
+    so = torch.empty(n, side.shape[1], device="cuda")
+    for _ in range(2):  # warm-up (compiles), then the profiled launches
+        permute_mask_triton(x, mask, n, 1, side=side)
+        permute_rows(x, rid, n, fill=fill, side=side, side_out=so)
+    torch.cuda.synchronize()
+    permute_mask_triton(x, mask, n, 1, side=side)
+    permute_rows(x, rid, n, fill=fill, side=side, side_out=so)
+    torch.cuda.synchronize()
+    print("done")
+    if a.out:
+        write_json_quiet(a.out, {"bench": "profile_ncu", "env": env_info(), "config": a.config})
+
+
+COMMANDS = {  # name: (add its options to a parser, run it on the parsed options)
+    "kernels": (kernels_args, kernels_main),
+    "map": (map_args, map_main),
+    "small": (small_args, small_main),
+    "ncu": (ncu_args, ncu_main),
+}
