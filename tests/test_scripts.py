@@ -254,6 +254,8 @@ def test_gpu_commands_refuse_without_cuda(monkeypatch, capsys):
 DOCS = sorted([*ROOT.glob("docs/*.md"), ROOT / "README.md"])
 SPAN = re.compile(r"```[^\n]*\n(?P<block>.*?)```|`(?P<code>[^`]+)`", re.S)
 PYTHON = re.compile(r"python3?|torchrun")
+# a benchmark file's name: benchmarks/<file>.py, or bench_|sweep_|profile_|ncu_<name>.py
+BENCH_FILE = re.compile(r"benchmarks/(\w+\.py)|(?<![\w/.])((?:bench|sweep|profile|ncu)_\w+\.py)")
 
 
 def _parsers() -> dict[str, argparse.ArgumentParser]:
@@ -311,7 +313,7 @@ def _doc_commands(text: str):
                 yield span, last[0], [*last[1], *words]
 
 
-def _doc_problems(name: str, text: str) -> list[str]:
+def _doc_problems(name: str, text: str, files: bool = True) -> list[str]:
     parsers = _parsers()
     problems = []
     for span, start, argv in _doc_commands(text):
@@ -322,8 +324,7 @@ def _doc_problems(name: str, text: str) -> list[str]:
         if code:  # argparse's error (0: a --help)
             problems.append(f"{name}: `{span}`: {out.strip().splitlines()[-1]}")
     # benchmark files named anywhere in the text exist
-    for m in re.finditer(r"benchmarks/(\w+\.py)|(?<![\w/.])((?:bench|sweep|profile|ncu)_\w+\.py)",
-                         text):
+    for m in BENCH_FILE.finditer(text) if files else ():
         if not (ROOT / "benchmarks" / (m[1] or m[2])).is_file():
             problems.append(f"{name}: {m[0]}: no such file in benchmarks/")
     return problems
@@ -335,6 +336,15 @@ def test_docs_benchmark_commands_parse():
     commands = [c for doc in DOCS for c in _doc_commands(doc.read_text())]
     assert len(commands) > 40, commands  # the check sees the commands behind the tables
     problems = [p for doc in DOCS for p in _doc_problems(doc.name, doc.read_text())]
+    assert not problems, "\n".join(problems)
+
+
+def test_qmoe_benchmark_commands_parse():
+    """The benchmark commands that qmoe's comments and docstrings cite for a tuning constant
+    (``python -m benchmarks sweep map --pdl 0,1``, or the short ``sweep map --pdl 0,1``)
+    parse, options included."""
+    problems = [p for path in sorted((ROOT / "qmoe").rglob("*.py"))
+                for p in _doc_problems(str(path.relative_to(ROOT)), path.read_text(), False)]
     assert not problems, "\n".join(problems)
 
 
