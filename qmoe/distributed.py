@@ -37,7 +37,7 @@ import torch.distributed as dist
 from qmoe._library import define
 from qmoe.ops import moe_permute, moe_sort_chunks_by_index, moe_unpermute
 from qmoe.ops.checks import ID_LIMIT, MASK_FROM_IDS, check_mask_values
-from qmoe.ops.row_id_map import _compact, num_slots
+from qmoe.ops.row_id_map import compact_routes, num_slots
 from qmoe.tensors.base import QuantizedTensor, register_passthrough
 
 __all__ = ["dispatch", "combine", "DispatchHandle", "TokenDispatcher", "wire_bytes_per_row"]
@@ -286,7 +286,7 @@ def _capacity_map(mask, counts, world: int, local: int, c: int) -> torch.Tensor:
     rel = dst - rank_start[j]
     keep = (dst >= 0) & (rel < c)
     new = torch.where(keep, j * c + rel, -1).to(torch.int32)
-    return _compact(new, torch.where(keep, col, -1).to(torch.int32))
+    return compact_routes(new, torch.where(keep, col, -1).to(torch.int32))
 
 
 def wire_bytes_per_row(x: torch.Tensor) -> int:

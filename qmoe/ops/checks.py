@@ -286,3 +286,24 @@ def check_range(fn: str, values: torch.Tensor, lo: int, hi: int, msg: str) -> No
         return
     vmin, vmax = torch.aminmax(values)
     check_values(fn, (vmin.long() >= lo) & (vmax.long() < hi), msg)
+
+
+def check_quantize_args(op, x, block_size, fp8_dtype, scale_mode, scale) -> None:
+    """The fused quantize-permute ops' quantizing arguments (``qmoe::quantize_permute``,
+    ``qmoe::quantize_permute_mask``; the public functions build them from a checked
+    recipe), in the real ops and their fakes alike."""
+    from qmoe.tensors.quantize import check_block_args, check_op_dtypes, check_scale_tensor
+
+    if x.dim() != 2:
+        raise ValueError(f"qmoe::{op}: x must be 2-D [T, H], got shape {tuple(x.shape)}")
+    if scale_mode != "given":
+        check_block_args(x, block_size, fp8_dtype, scale_mode, op)
+        if scale is not None:
+            raise ValueError(f"qmoe::{op}: scale is only taken with scale_mode='given', got "
+                             f"scale_mode={scale_mode!r}; drop scale")
+        return
+    check_op_dtypes(op, x, fp8_dtype)
+    if scale is None:
+        raise ValueError(f"qmoe::{op}: scale_mode='given' needs a one-element scale tensor, "
+                         "got None")
+    check_scale_tensor(f"qmoe::{op}", "scale", scale, "x", x)

@@ -25,10 +25,10 @@ from qmoe._library import define
 from qmoe.ops import checks as C
 from qmoe.ops.backend import assert_options, scatter_tile, tail_programs, unit_stride
 from qmoe.ops.permute_mask import (
-    _backward,
-    _setup,
     fused_outputs,
+    fused_permute_backward,
     fused_permute_fake,
+    fused_permute_setup,
     map_then_permute,
     no_routes,
 )
@@ -134,5 +134,5 @@ def _permute_index(inp, routing_map, probs, side, num_out_tokens, num_experts):
 
 
 _permute_index.register_fake(fused_permute_fake)
-_permute_index.register_autograd(_backward, setup_context=_setup)
+_permute_index.register_autograd(fused_permute_backward, setup_context=fused_permute_setup)
 

@@ -193,13 +193,17 @@ def fused_permute_fake(inp, routing_map, probs, side, num_out_tokens, *_):
 _permute_mask.register_fake(fused_permute_fake)
 
 
-def _setup(ctx, inputs, output):
+def fused_permute_setup(ctx, inputs, output):
+    """Autograd setup of the fused permutes (``permute_mask``, ``permute_index``): the map
+    (output 3) and the probs' shape and dtype."""
     probs = inputs[2]
     ctx.save_for_backward(output[3])
     ctx.probs_meta = None if probs is None else (tuple(probs.shape), probs.dtype)
 
 
-def _backward(ctx, grad_out, grad_pp, grad_side, grad_rid):
+def fused_permute_backward(ctx, grad_out, grad_pp, grad_side, grad_rid):
+    """The fused permutes' backward: the rows' gradient merged back (``permute_grads``),
+    the probs' from the permuted probs'; none for the routing map, side rows or sizes."""
     from qmoe.ops.permute import permute_grads
 
     (rid,) = ctx.saved_tensors
@@ -207,4 +211,4 @@ def _backward(ctx, grad_out, grad_pp, grad_side, grad_rid):
     return grad_inp, None, gp, None, None, None
 
 
-_permute_mask.register_autograd(_backward, setup_context=_setup)
+_permute_mask.register_autograd(fused_permute_backward, setup_context=fused_permute_setup)

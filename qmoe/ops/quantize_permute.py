@@ -17,18 +17,16 @@ import torch
 
 from qmoe._intmath import cdiv, next_pow2
 from qmoe._library import define
+from qmoe.ops import checks as C
 from qmoe.ops.backend import assert_options, unit_stride
 from qmoe.ops.row_id_map import num_slots
 from qmoe.tensors.layouts import SCALE_GIVEN, SCALE_MODES, emax_elem, fp8_fields
 from qmoe.tensors.quantize import (
     EPS,
-    _check_block_args,
-    _check_dtypes,
-    _plain,
-    _scale_mode,
     check_given_scale,
-    check_scale_tensor,
     per_tensor_scale,
+    plain_grad,
+    recipe_scale_mode,
     scale_dtype,
 )
 from qmoe.tensors.recipes import MXFP8, Blockwise, PerTensor, Recipe, fp8_max
@@ -39,24 +37,6 @@ ops = torch.ops.qmoe
 
 def _nb(h: int, block_size: int) -> int:
     return -(-h // block_size)
-
-
-def _check_args(op, x, block_size, fp8_dtype, scale_mode, scale) -> None:
-    """The direct ops' quantizing arguments (the public functions build them from a checked
-    recipe), in the real ops and their fakes alike."""
-    if x.dim() != 2:
-        raise ValueError(f"qmoe::{op}: x must be 2-D [T, H], got shape {tuple(x.shape)}")
-    if scale_mode != "given":
-        _check_block_args(x, block_size, fp8_dtype, scale_mode, op)
-        if scale is not None:
-            raise ValueError(f"qmoe::{op}: scale is only taken with scale_mode='given', got "
-                             f"scale_mode={scale_mode!r}; drop scale")
-        return
-    _check_dtypes(op, x, fp8_dtype)
-    if scale is None:
-        raise ValueError(f"qmoe::{op}: scale_mode='given' needs a one-element scale tensor, "
-                         "got None")
-    check_scale_tensor(f"qmoe::{op}", "scale", scale, "x", x)
 
 
 def _two_step(x, rid, probs, n, block_size, fp8_dtype, scale_mode, scale):
@@ -225,7 +205,7 @@ def _quantize_permute(x, row_id_map, probs, num_out_tokens, block_size, fp8_dtyp
     Autograd: ``permuted_probs`` to ``probs``; the fp8 bits and scales are not
     differentiable (``moe_permute(..., quantize=)`` passes the gradient to ``x`` straight
     through, in high precision). No host sync."""
-    _check_args("quantize_permute", x, block_size, fp8_dtype, scale_mode, scale)
+    C.check_quantize_args("quantize_permute", x, block_size, fp8_dtype, scale_mode, scale)
     if x.is_cuda:
         return quantize_permute_triton(x, row_id_map, probs, num_out_tokens, block_size,
                                        fp8_dtype, scale_mode, scale, fill)
@@ -236,7 +216,7 @@ def _quantize_permute(x, row_id_map, probs, num_out_tokens, block_size, fp8_dtyp
 @_quantize_permute.register_fake
 def _(x, row_id_map, probs, num_out_tokens, block_size, fp8_dtype, scale_mode, scale,
       fill=None):
-    _check_args("quantize_permute", x, block_size, fp8_dtype, scale_mode, scale)
+    C.check_quantize_args("quantize_permute", x, block_size, fp8_dtype, scale_mode, scale)
     n, h = num_out_tokens, x.shape[1]
     q = x.new_empty((n, h), dtype=fp8_dtype)
     if scale_mode == "given":
@@ -259,7 +239,7 @@ def _quantize_permute_mask(x, routing_map, probs, num_out_tokens, align_size, bl
     inside the fused launch (after the per-block count and scan launches, or alone for a
     small mask); elsewhere ``make_row_id_map`` then ``quantize_permute``. Autograd as
     ``quantize_permute``'s. No host sync."""
-    _check_args("quantize_permute_mask", x, block_size, fp8_dtype, scale_mode, scale)
+    C.check_quantize_args("quantize_permute_mask", x, block_size, fp8_dtype, scale_mode, scale)
     if x.is_cuda:
         return quantize_permute_mask_triton(x, routing_map, num_out_tokens, align_size, probs,
                                             block_size, fp8_dtype, scale_mode, scale)
@@ -271,7 +251,7 @@ def _quantize_permute_mask(x, routing_map, probs, num_out_tokens, align_size, bl
 @_quantize_permute_mask.register_fake
 def _(x, routing_map, probs, num_out_tokens, align_size, block_size, fp8_dtype, scale_mode,
       scale):
-    _check_args("quantize_permute_mask", x, block_size, fp8_dtype, scale_mode, scale)
+    C.check_quantize_args("quantize_permute_mask", x, block_size, fp8_dtype, scale_mode, scale)
     t, e = routing_map.shape
     rid = routing_map.new_empty((t, 2 * e + 1), dtype=torch.int32)
     return (*ops.quantize_permute(x, rid, probs, num_out_tokens, block_size, fp8_dtype,
@@ -326,7 +306,7 @@ class _QuantizePermute(torch.autograd.Function):
             s = per_tensor_scale(x, recipe) if scale is None else scale.float().reshape(())
             mode, bs = "given", 0
         else:
-            s, mode, bs = None, _scale_mode(recipe), recipe.block_size
+            s, mode, bs = None, recipe_scale_mode(recipe), recipe.block_size
         args = (n, bs, recipe.fp8_dtype, mode, s)
         if _map_in_launch(x, is_index, n):
             q, s_out, pp, rid = ops.quantize_permute_mask(x, routing_map, probs, n,
@@ -350,7 +330,7 @@ class _QuantizePermute(torch.autograd.Function):
         from qmoe.ops.permute import permute_grads
 
         (rid,) = ctx.saved_tensors
-        gx, gp = permute_grads(rid, _plain(grad_out), grad_pp, ctx.probs_meta)
+        gx, gp = permute_grads(rid, plain_grad(grad_out), grad_pp, ctx.probs_meta)
         return gx, gp, None, None, None, None, None, None
 
 

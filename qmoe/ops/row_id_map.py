@@ -41,8 +41,10 @@ from qmoe._library import define
 from qmoe.ops.checks import ID_LIMIT
 
 
-def _compact(dst: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
-    """Pack the valid (``dst >= 0``) entries of each row first, keeping their order."""
+def compact_routes(dst: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
+    """A ``row_id_map`` (module docs) from each token's routes ``dst`` (output rows, ``-1``
+    where not kept) and their probs columns ``col``, both ``[T, S]``: the valid (``dst >=
+    0``) entries of each row packed first, keeping their order, then the count."""
     t, s = dst.shape
     valid = dst >= 0
     slot = torch.cumsum(valid, dim=1, dtype=torch.int32) - 1
@@ -86,7 +88,7 @@ def _mask_rows(routing_map: torch.Tensor, num_out_tokens: int, align_size: int) 
     rank = torch.cumsum(mi, 0, dtype=torch.int32) - 1
     dst = torch.where(m & (start + rank < num_out_tokens), start + rank, -1)
     col = torch.arange(m.shape[1], dtype=torch.int32, device=m.device).expand_as(dst)
-    return _compact(dst, col)
+    return compact_routes(dst, col)
 
 
 def _index_rows(routing_map: torch.Tensor, num_out_tokens: int) -> torch.Tensor:

@@ -158,7 +158,7 @@ def quantize_reference(x: torch.Tensor, recipe: Recipe, scale: torch.Tensor | No
     if isinstance(recipe, PerTensor):
         s = per_tensor_scale(x, recipe) if scale is None else scale.float()
         return _saturate_cast(x.float() / s, recipe.fp8_dtype), s
-    q, s = _reference_blocks(x, recipe.block_size, recipe.fp8_dtype, _scale_mode(recipe))
+    q, s = _reference_blocks(x, recipe.block_size, recipe.fp8_dtype, recipe_scale_mode(recipe))
     return q, s.view(torch.float8_e8m0fnu) if isinstance(recipe, MXFP8) else s
 
 
@@ -235,7 +235,7 @@ def quantize_rows_triton(
 
 
 # -------------------------------------------------------------------- custom ops
-def _check_dtypes(op: str, x: torch.Tensor, fp8_dtype: torch.dtype) -> None:
+def check_op_dtypes(op: str, x: torch.Tensor, fp8_dtype: torch.dtype) -> None:
     """The direct ops' dtypes (``qmoe.quantize`` checks them before), as the C++ ops do."""
     if x.dtype not in HP_DTYPES:
         raise TypeError(f"qmoe::{op}: x must be fp32, bf16 or fp16, got {x.dtype}")
@@ -244,9 +244,9 @@ def _check_dtypes(op: str, x: torch.Tensor, fp8_dtype: torch.dtype) -> None:
                         f"torch.float8_e5m2, got {fp8_dtype}")
 
 
-def _check_block_args(x, block_size, fp8_dtype, scale_mode, op="quantize_blocks") -> None:
+def check_block_args(x, block_size, fp8_dtype, scale_mode, op="quantize_blocks") -> None:
     """A direct op's block arguments (``qmoe.quantize`` builds them from a checked recipe)."""
-    _check_dtypes(op, x, fp8_dtype)
+    check_op_dtypes(op, x, fp8_dtype)
     lo, hi = OP_BLOCK_SIZES
     if not (isinstance(block_size, int) and lo <= block_size <= hi
             and block_size & (block_size - 1) == 0):
@@ -264,7 +264,7 @@ def _check_block_args(x, block_size, fp8_dtype, scale_mode, op="quantize_blocks"
 def _quantize_blocks(
     x: torch.Tensor, block_size: int, fp8_dtype: torch.dtype, scale_mode: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    _check_block_args(x, block_size, fp8_dtype, scale_mode)
+    check_block_args(x, block_size, fp8_dtype, scale_mode)
     if x.is_cuda:
         return quantize_rows_triton(x, block_size, fp8_dtype, scale_mode)
     return _reference_blocks(x, block_size, fp8_dtype, scale_mode)
@@ -272,7 +272,7 @@ def _quantize_blocks(
 
 @_quantize_blocks.register_fake
 def _(x, block_size, fp8_dtype, scale_mode):
-    _check_block_args(x, block_size, fp8_dtype, scale_mode)
+    check_block_args(x, block_size, fp8_dtype, scale_mode)
     sdt = scale_dtype(scale_mode)
     nb = _num_blocks(x.shape[-1], block_size)
     return (
@@ -285,7 +285,7 @@ def _(x, block_size, fp8_dtype, scale_mode):
 def _quantize_with_scale(
     x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype
 ) -> torch.Tensor:
-    _check_dtypes("quantize_with_scale", x, fp8_dtype)
+    check_op_dtypes("quantize_with_scale", x, fp8_dtype)
     if x.is_cuda:
         return quantize_rows_triton(x, 512, fp8_dtype, "given", scale.float())[0]
     return _saturate_cast(x.float() / scale.float(), fp8_dtype)
@@ -293,11 +293,12 @@ def _quantize_with_scale(
 
 @_quantize_with_scale.register_fake
 def _(x, scale, fp8_dtype):
-    _check_dtypes("quantize_with_scale", x, fp8_dtype)
+    check_op_dtypes("quantize_with_scale", x, fp8_dtype)
     return torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
 
 
-def _scale_mode(recipe: Recipe) -> str:
+def recipe_scale_mode(recipe: Recipe) -> str:
+    """The ``scale_mode`` (a key of ``SCALE_MODES``) of a block recipe."""
     if isinstance(recipe, MXFP8):
         return "mx_" + recipe.scale_rounding
     return "pow2" if recipe.power_of_two_scale else "amax"
@@ -315,7 +316,7 @@ class _Quantize(torch.autograd.Function):
             q = torch.ops.qmoe.quantize_with_scale(x, s, recipe.fp8_dtype)
             return Float8Tensor(q, s, x.dtype)
         q, s = torch.ops.qmoe.quantize_blocks(
-            x, recipe.block_size, recipe.fp8_dtype, _scale_mode(recipe)
+            x, recipe.block_size, recipe.fp8_dtype, recipe_scale_mode(recipe)
         )
         if isinstance(recipe, MXFP8):
             return MXFP8Tensor(q, s, x.dtype)
@@ -323,7 +324,7 @@ class _Quantize(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _plain(grad), None, None
+        return plain_grad(grad), None, None
 
 
 class _Dequantize(torch.autograd.Function):
@@ -334,10 +335,10 @@ class _Dequantize(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _plain(grad).to(ctx.orig_dtype), None
+        return plain_grad(grad).to(ctx.orig_dtype), None
 
 
-def _plain(t: torch.Tensor) -> torch.Tensor:
+def plain_grad(t: torch.Tensor) -> torch.Tensor:
     """A gradient in high precision. Eager only: under compile AOTAutograd guesses tangents
     of a subclass output to be that subclass, so Dynamo must not branch on the type."""
     if not torch.compiler.is_compiling() and isinstance(t, QuantizedTensor):

@@ -10,7 +10,7 @@ import torch
 import qmoe
 from qmoe.ops import backend as B
 from qmoe.ops.fp8 import _bits, _layout
-from qmoe.tensors.quantize import _scale_mode
+from qmoe.tensors.quantize import recipe_scale_mode
 from tests.ops.helpers import routing
 from tests.tensors.helpers import assert_same_bits
 
@@ -73,7 +73,7 @@ def test_fused_mask_and_quantize_kernels(kdevice):
     for a, b in zip(got, want):
         assert_same_bits(a, b)
     r = qmoe.MXFP8()
-    mode = (r.block_size, r.fp8_dtype, _scale_mode(r), None)
+    mode = (r.block_size, r.fp8_dtype, recipe_scale_mode(r), None)
     want = quantize_permute_triton(x, rid, p, n, *mode, fill)
     got = quantize_permute_triton(x, _col_strided(rid), _col_strided(p), n, *mode, fill)
     for a, b in zip(got, want):

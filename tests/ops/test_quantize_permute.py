@@ -14,7 +14,7 @@ from qmoe.ops.quantize_permute import (
     quantize_permute_triton,
 )
 from qmoe.ops.row_id_map import MapTiling
-from qmoe.tensors.quantize import _scale_mode, per_tensor_scale
+from qmoe.tensors.quantize import per_tensor_scale, recipe_scale_mode
 from tests.ops.helpers import reference_routes, routing
 from tests.tensors.helpers import (
     RECIPES,
@@ -29,7 +29,7 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 def _args(recipe, x):
     if isinstance(recipe, qmoe.PerTensor):
         return 0, recipe.fp8_dtype, "given", per_tensor_scale(x, recipe)
-    return recipe.block_size, recipe.fp8_dtype, _scale_mode(recipe), None
+    return recipe.block_size, recipe.fp8_dtype, recipe_scale_mode(recipe), None
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES))
