@@ -14,6 +14,14 @@ import torch
 
 from qmoe._intmath import cdiv, next_pow2
 from qmoe.ops.row_id_map import num_slots, unit_stride
+from qmoe.ops.tuning import (
+    fp8_merge_tile,
+    gather_tile,
+    merge_tile,
+    scatter_tile,
+    tail_programs,
+    zero_rows_tile,
+)
 from qmoe.tensors.base import e8m0_to_fp32, expand_block_scales
 from qmoe.tensors.layouts import FP8_BLOCK_E8M0, FP8_PER_TENSOR, fp8_fields
 
@@ -25,64 +33,6 @@ def assert_options() -> dict[str, bool]:
     debug would add, so the asserts are the only difference; Inductor launches its own
     kernels the same way. A new dict each call."""
     return {"debug": True, "sanitize_overflow": False}
-
-
-def _block_h(h: int) -> int:
-    return max(16, min(1024, next_pow2(max(h, 1))))
-
-
-def scatter_tile(h: int, itemsize: int, weighted: bool) -> tuple[int, int, int]:
-    """``(BLOCK_H, num_warps, KB)`` of the scatter kernel: up to 16 KiB of a row per
-    program (2048 columns when weighted, whose math is fp32). Chosen by
-    ``benchmarks/sweep_permute.py`` on the H200 (docs/benchmarks.md, "Scatter tiles"):
-    within 2 points of each config's best at dsv3, qwen3, mixtral and gptoss."""
-    cap = 2048 if weighted else 16384 // itemsize
-    bh = max(16, min(cap, next_pow2(max(h, 1))))
-    nw = min(8 if itemsize > 1 else 4, max(1, bh * itemsize // 512))
-    return bh, nw, 4 if weighted or itemsize == 1 else 8
-
-
-def merge_tile(h: int, weighted: bool) -> tuple[int, int, str, bool]:
-    """``(BLOCK_H, num_warps, eviction policy, PAIRS)`` of the bf16/fp16/fp32 merge kernel.
-    Weighted, or at an H that is not a power of two up to 4096: 512 columns and one warp a
-    program (fewer for H < 512), two routes a step, rows streamed through L2 evict-first.
-    Unweighted at a power-of-two H up to 4096: one tile of H columns (8 warps at 4096), one
-    route a step. Chosen by ``benchmarks/sweep_gather.py`` on the H200
-    (docs/benchmarks.md, "bf16 merge tiles (`merge_tile`)"), kernel alone, % of copy:
-    weighted dsv3 92.5 (against 81.7 with 4096 columns, 8 warps, one route a step), qwen3
-    94.2 (91.3), qwen3next 90.9 (87.3), mixtral 81.4 (77.1), gptoss 80.5 (68.6); unweighted
-    the one tile is ahead at qwen3 99.1 vs 94.2, qwen3next 95.2 vs 93.4, mixtral 84.1 vs
-    81.2."""
-    if not weighted and _one_tile_fits(h):
-        return *_one_tile(h), "", False
-    return max(16, min(512, next_pow2(max(h, 1)))), 1, "evict_first", True
-
-
-def fp8_merge_tile(h: int) -> tuple[int, int, str]:
-    """``(BLOCK_H, num_warps, eviction policy)`` of the FP8 merge kernel. A power-of-two H
-    up to 4096, or any H up to 1024, is one tile (8 warps at 4096); a larger H goes in
-    1024-column tiles of 2 warps with the fp8 rows read evict-first. Chosen by
-    ``benchmarks/sweep_gather.py --quick --more`` on the H200 (docs/benchmarks.md, "FP8
-    merge (`fp8_merge_tile`; no load-ahead)"), blockwise kernel alone, % of copy: 1024 / 2 /
-    evict-first against one tile of 8 warps, dsv3 (H = 7168) 75.5 vs 66.9, gptoss (2880)
-    65.4 vs 53.7; at H = 4096 and 2048 the one tile is ahead (qwen3 78.3 vs 75.2, qwen3next
-    75.8 vs 72.8; mixtral, 68.6 vs 72.2, is the exception left alone); 512-column tiles
-    lost 7-16 points."""
-    if _one_tile_fits(h) or h <= 1024:
-        return *_one_tile(h), ""
-    return 1024, 2, "evict_first"
-
-
-def _one_tile_fits(h: int) -> bool:
-    """A merge row of H columns is one power-of-two tile of at most 4096 columns."""
-    return h & (h - 1) == 0 and h <= 4096
-
-
-def _one_tile(h: int) -> tuple[int, int]:
-    """``(BLOCK_H, num_warps)`` of a merge program over a whole row of H columns (at least
-    16 columns; a warp per 512, 1 to 8)."""
-    bh = max(16, next_pow2(max(h, 1)))
-    return bh, max(1, min(8, bh // 512))
 
 
 def _routes(rid: torch.Tensor, *probs: torch.Tensor | None, rows: int | None = None):
@@ -200,10 +150,11 @@ def zero_unwritten_rows(
 
     n, h = out.shape
     ns = side_out.shape[1] if side_out is not None else 0
-    zero_rows_kernel[(cdiv(n, 64),)](
+    br, bh, nw = zero_rows_tile(h)
+    zero_rows_kernel[(cdiv(n, br),)](
         out, written, probs_out, side_out, n, h, ns, HAS_P=probs_out is not None,
-        HAS_SIDE=side_out is not None, BLOCK_R=64, BLOCK_H=min(_block_h(h), 64),
-        BLOCK_S=next_pow2(max(ns, 1)), num_warps=4,
+        HAS_SIDE=side_out is not None, BLOCK_R=br, BLOCK_H=bh,
+        BLOCK_S=next_pow2(max(ns, 1)), num_warps=nw,
     )
 
 
@@ -215,12 +166,6 @@ def scatter_programs(t: int, n: int, fill: torch.Tensor | None) -> tuple[int, in
         return t, 0, 0
     r, z = fill.shape[0], tail_programs(n)
     return t + r - 1 + z, r, z
-
-
-def tail_programs(n: int) -> int:
-    """Z, the programs that share zeroing the tail of unwritten rows (about 64 rows each,
-    at most 256 programs)."""
-    return max(1, min(256, cdiv(n, 64)))
 
 
 def _merge_routes(vals: torch.Tensor, tok: torch.Tensor, col: torch.Tensor,
@@ -282,21 +227,6 @@ def _weights_arg(weights: torch.Tensor | None, like: torch.Tensor) -> tuple[torc
     return unit_stride(weights), weights.shape[1]
 
 
-def merge_backward_tile(h: int, p: int) -> tuple[int, int, int]:
-    """``(KB, BLOCK_H, num_warps)`` of ``merge_backward_kernel`` (both gradients of the
-    weighted merge, ``p`` weight columns): up to 1024 columns and 4 warps a program; four
-    routes' rows a step from H = 4096 with 16 or more weight columns, else two. Chosen by
-    ``benchmarks/sweep_merge_backward.py`` on the H200 (docs/benchmarks.md, "Merge backward
-    (`merge_backward_tile`)"), mask maps, % of copy, against a weighted scatter plus a
-    weight-gradient kernel in parentheses: dsv3 85.3 (77.4), qwen3 88.6 (82.7), qwen3next
-    86.0 (79.5), mixtral 81.7 (63.5), gptoss 79.8 (63.5). Four routes a step win at dsv3
-    and qwen3 (K = 8) and lose 18 points at mixtral (K = 2). The host
-    cannot tell K from a mask map without a sync, so E (its weight columns) stands in:
-    mixtral has 8. An index map's columns are K itself (at H >= 4096, K >= 16 takes
-    four)."""
-    return (4 if h >= 4096 and p >= 16 else 2), min(1024, _block_h(h)), 4
-
-
 def merge_weight_grad(grad: torch.Tensor, x: torch.Tensor, rid: torch.Tensor,
                       p: int) -> torch.Tensor:
     """``[T, P]`` fp32: ``<grad[t], x[row]>`` for each kept route, zero elsewhere (torch;
@@ -326,11 +256,9 @@ def gather_rows(
     if r == 0 or h == 0:
         return out
     x, src = unit_stride(x), src.contiguous()
-    # about 16 KiB per program, as the scatter kernel (scatter_tile)
-    bh = max(16, min(16384 // x.element_size(), next_pow2(h)))
-    br = max(1, 16384 // (bh * x.element_size()))
+    br, bh, nw = gather_tile(h, x.element_size())
     gather_rows_kernel[(cdiv(r, br), cdiv(h, bh))](
-        x, out, src, r, h, x.stride(0), BLOCK_R=br, BLOCK_H=bh, num_warps=8
+        x, out, src, r, h, x.stride(0), BLOCK_R=br, BLOCK_H=bh, num_warps=nw
     )
     return out
 

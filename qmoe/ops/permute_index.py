@@ -23,7 +23,7 @@ import torch
 from qmoe._intmath import cdiv, next_pow2
 from qmoe._library import define
 from qmoe.ops import checks as C
-from qmoe.ops.backend import assert_options, scatter_tile, tail_programs, unit_stride
+from qmoe.ops.backend import assert_options, unit_stride
 from qmoe.ops.permute_mask import (
     fused_outputs,
     fused_permute_backward,
@@ -32,12 +32,14 @@ from qmoe.ops.permute_mask import (
     map_then_permute,
     no_routes,
 )
-from qmoe.ops.row_id_map import (
-    index_block_counts,
+from qmoe.ops.row_id_map import index_block_counts, pdl_default, pdl_options
+from qmoe.ops.tuning import (
+    FUSED_INDEX_BLOCK_T,
+    FUSED_INDEX_WARPS,
+    fused_index_wins,
     map_tiling,
-    pdl_default,
-    pdl_options,
-    small_index_map,
+    scatter_tile,
+    tail_programs,
 )
 
 
@@ -49,8 +51,8 @@ def permute_index_triton(
     probs: torch.Tensor | None = None,
     side: torch.Tensor | None = None,
     *,
-    block_t: int = 16,
-    num_warps: int = 4,
+    block_t: int = FUSED_INDEX_BLOCK_T,
+    num_warps: int = FUSED_INDEX_WARPS,
     pdl: bool | None = None,
     out: torch.Tensor | None = None,
 ):
@@ -89,26 +91,6 @@ def permute_index_triton(
         num_warps=num_warps, **pdl_options(pdl), **assert_options(),  # assert_probs_not_nan
     )
     return out, pp, so, rid
-
-
-#: Largest E at which the fused kernel beats the sorting map then the scatter. Chosen by
-#: ``benchmarks/sweep_permute_mask.py --rows bf16 --index`` on the H100 (docs/benchmarks.md,
-#: "Index permute"), % of copy, sorting map + scatter / fused: E = 8 (mixtral) 31.9 / 85.5,
-#: E = 128 (qwen3 66.3 / 71.8, gptoss 34.7 / 66.6), E = 256 (dsv3) 55.2 / 83.4, but E = 512
-#: (qwen3next) 54.9 / 41.9 (not profiled; the per-block count rows grow with E).
-FUSED_INDEX_MAX_EXPERTS = 256
-#: Largest K timed (qwen3next's 10; each token program compares its K ids with those of
-#: the earlier tokens of its block, a cost that grows with K squared).
-FUSED_INDEX_MAX_K = 16
-
-
-def fused_index_wins(t: int, k: int, num_experts: int) -> bool:
-    """Whether a CUDA ``[T, K]`` index map of ``num_experts`` experts takes the fused
-    kernel: not for maps small enough for the one-launch map kernel (two launches in all,
-    not timed against the fused three), nor above ``FUSED_INDEX_MAX_EXPERTS`` (slower),
-    nor above ``FUSED_INDEX_MAX_K`` (not timed)."""
-    return (num_experts <= FUSED_INDEX_MAX_EXPERTS and k <= FUSED_INDEX_MAX_K
-            and not small_index_map(t, k))
 
 
 @define(

@@ -6,7 +6,7 @@ On CUDA ``moe_permute`` (and the ``_with_probs`` and pad variants) of a mask tak
 its kernel (``_kernels/permute_mask.py``) has every token program build its own map row
 and then move its data row, so the map costs no pass of its own. Launches: the per-block
 counts and their scan, then the fused kernel; one launch for masks of at most
-``row_id_map.SMALL_MAP_BYTES`` (every program counts the whole mask itself). The map and output
+``tuning.SMALL_MAP_BYTES`` (every program counts the whole mask itself). The map and output
 equal ``make_row_id_map`` then ``permute``'s, which is what the op runs off CUDA.
 """
 
@@ -16,54 +16,21 @@ import torch
 
 from qmoe._intmath import cdiv, next_pow2
 from qmoe._library import define
-from qmoe.ops.backend import assert_options, scatter_tile, tail_programs, unit_stride
-from qmoe.ops.row_id_map import (
+from qmoe.ops.backend import assert_options, unit_stride
+from qmoe.ops.row_id_map import block_counts, mask_operand, pdl_default, pdl_options
+from qmoe.ops.tuning import (
+    FUSED_TOKENS,
+    FUSED_WARPS,
     MapTiling,
-    block_counts,
-    map_tiling,
-    mask_operand,
-    pdl_default,
-    pdl_options,
+    count_chunk,
+    fused_map_tiling,
+    reg_routes_flag,
+    scatter_tile,
     small_mask,
+    tail_programs,
 )
 
 ops = torch.ops.qmoe
-
-
-#: Warps of the fused kernel, and tokens per count block. Chosen by
-#: ``benchmarks/sweep_permute_mask.py`` on the H200 (docs/benchmarks.md, "Count blocks and
-#: warps (`FUSED_BLOCK_T`, `FUSED_WARPS`)"): 16-token blocks and 4 warps are the best of
-#: the tilings tried on dsv3, qwen3, qwen3next, mixtral and gptoss, bf16 and FP8 rows; 8
-#: warps, which the scatter alone prefers at long rows, lose (mixtral FP8: 57.6 against
-#: 63.1% of copy).
-FUSED_WARPS, FUSED_BLOCK_T = 4, 16
-
-
-def fused_map_tiling(t: int, e: int) -> MapTiling:
-    """The count pass's tiling for the fused kernel: ``map_tiling``'s warps, blocks of
-    ``FUSED_BLOCK_T`` tokens (each token program sums the rows of its block before it)."""
-    return map_tiling(t, e)._replace(block_t=FUSED_BLOCK_T)
-
-
-#: Largest ``next_pow2(E)`` for which the fused mask kernels take each route's output row
-#: from registers (``routes_at``) rather than reading the stored map row back. Chosen by
-#: ``benchmarks/sweep_permute_mask.py --reg-routes 0,1`` on the H200 (docs/benchmarks.md,
-#: "Routes from registers; the map in the quantize launch"): registers win up to 2.4
-#: points at next_pow2(E) <= 128; at E = 512 they run 2.4x slower, and the quantize
-#: kernel's register form spills.
-REG_ROUTES_MAX_E = 128
-
-
-def reg_routes_flag(block_e: int, override: bool | None = None) -> bool:
-    """``REG_ROUTES`` of a fused mask kernel with ``next_pow2(E) = block_e`` (``override``
-    wins when given)."""
-    return override if override is not None else block_e <= REG_ROUTES_MAX_E
-
-
-def count_chunk(t: int, block_e: int, num_warps: int) -> int:
-    """Mask rows per step of a SMALL program's counting walk: about 2048 mask entries a
-    warp and step."""
-    return max(1, min(next_pow2(t), 2048 * num_warps // block_e))
 
 
 def permute_mask_triton(
@@ -114,7 +81,7 @@ def permute_mask_triton(
     ranges = e if align_size > 1 else 0
     z = tail_programs(n)
     has_p, has_s = probs is not None, side is not None
-    tokens = tokens or 1
+    tokens = tokens or FUSED_TOKENS
     if not small and bt % tokens:
         raise ValueError(f"tokens per program ({tokens}) must divide the count block ({bt})")
     permute_mask_kernel[(cdiv(t, tokens) + ranges + z, cdiv(max(h, 1), bh))](

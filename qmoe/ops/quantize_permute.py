@@ -20,6 +20,19 @@ from qmoe._library import define
 from qmoe.ops import checks as C
 from qmoe.ops.backend import assert_options, unit_stride
 from qmoe.ops.row_id_map import num_slots
+from qmoe.ops.tuning import (
+    MASK_MAP_MIN_ROWS_PER_TOKEN,
+    MASK_QUANT_STEPS,
+    MASK_QUANT_TILE,
+    QUANT_PERMUTE_KB,
+    QUANT_PERMUTE_WARPS,
+    count_chunk,
+    fused_map_tiling,
+    quantize_permute_columns,
+    reg_routes_flag,
+    small_mask,
+    tail_programs,
+)
 from qmoe.tensors.layouts import SCALE_GIVEN, SCALE_MODES, emax_elem, fp8_fields
 from qmoe.tensors.quantize import (
     EPS,
@@ -30,6 +43,7 @@ from qmoe.tensors.quantize import (
     scale_dtype,
 )
 from qmoe.tensors.recipes import MXFP8, Blockwise, PerTensor, Recipe, fp8_max
+from qmoe.tensors.tuning import PER_TENSOR_BLOCK
 from qmoe.tensors.types import Float8BlockwiseTensor, Float8Tensor, MXFP8Tensor
 
 ops = torch.ops.qmoe
@@ -57,7 +71,7 @@ def _outputs(x, n, block_size, fp8_dtype, scale_mode, scale, probs, poison):
     """``(q [N, H] uint8, scale out, pp [N] or empty, BS, NB)`` of the fused kernels,
     allocated (``poison``: filled with 0xFF bytes first, so a row a kernel misses shows)."""
     given = scale_mode == "given"
-    bs = 512 if given else block_size  # per-tensor: the block is only the tile width
+    bs = PER_TENSOR_BLOCK if given else block_size  # per-tensor: the block is the tile width
     nb = _nb(x.shape[1], bs)
     q = torch.empty((n, x.shape[1]), dtype=torch.uint8, device=x.device)
     if given:
@@ -73,18 +87,10 @@ def _outputs(x, n, block_size, fp8_dtype, scale_mode, scale, probs, poison):
 
 def _consts(x, fp8_dtype, scale_mode, bs, nb, tile, steps) -> dict:
     """The quantizing constexprs of the fused kernels, and the column tiling: ``tile`` row
-    elements a step (``sweep_permute.py``: 4096 at H >= 4096, else 1024), ``steps`` steps
-    a program (0: the whole row, so a token's map row is read or built once; None: the
-    whole row at H < 4096, else one step). The launchers' defaults, chosen by
-    ``benchmarks/sweep_permute_mask.py --rows "" --quant-tiles 1024,4096 --quant-steps 1,0``
-    (docs/benchmarks.md, "Column steps and tiles (`_consts`)"): the whole row (the mask
-    kernel's ``steps=0``; the map-reading kernel's ``steps=None``), except the map-reading
-    kernel at H >= 4096, where one step a program is faster (H100, dsv3: 78.3 vs 76.9% of
-    copy)."""
-    if tile is None:
-        tile = 4096 if x.shape[1] >= 4096 else 1024
-    if steps is None:
-        steps = 0 if x.shape[1] < 4096 else 1
+    elements a step, ``steps`` steps a program (0: the whole row, so a token's map row is
+    read or built once); a tile or steps not given (None) is
+    ``tuning.quantize_permute_columns``'s."""
+    tile, steps = quantize_permute_columns(x.shape[1], tile, steps)
     groups = max(1, min(tile // bs, next_pow2(nb)))
     mb, bias = fp8_fields(fp8_dtype)
     return dict(FP8_MAX=fp8_max(fp8_dtype), EMAX_ELEM=emax_elem(fp8_dtype), EPS=EPS,
@@ -99,15 +105,15 @@ def _column_programs(nb: int, consts: dict) -> int:
 
 
 def quantize_permute_triton(x, rid, probs, n, block_size, fp8_dtype, scale_mode, scale,
-                            fill=None, *, tile=None, steps=None, kb=4, num_warps=4,
-                            poison=False):
+                            fill=None, *, tile=None, steps=None, kb=QUANT_PERMUTE_KB,
+                            num_warps=QUANT_PERMUTE_WARPS, poison=False):
     """The fused kernel (CUDA, or CPU under TRITON_INTERPRET=1); outputs as the op's.
     ``fill``: as ``permute_rows``'s (zero the unwritten rows in the same launch).
     ``tile`` (row elements a step), ``steps`` (steps a program, 0: the whole row; None:
-    the whole row at H < 4096, else one step), ``kb`` and ``num_warps`` set the kernel's
-    tiling (``benchmarks/sweep_permute.py`` sweeps tiles and warps,
-    ``sweep_permute_mask.py --quant-steps`` the steps). ``poison``
-    (tests) fills the outputs with 0xFF bytes first, so a row the kernel misses shows."""
+    the whole row at H < 4096, else one step: ``tuning.quantize_permute_columns``), ``kb``
+    and ``num_warps`` set the kernel's tiling (``QUANT_PERMUTE_KB``,
+    ``QUANT_PERMUTE_WARPS``). ``poison`` (tests) fills the outputs with 0xFF bytes first,
+    so a row the kernel misses shows."""
     from qmoe.ops._kernels.quantize_permute import quantize_permute_kernel
     from qmoe.ops.backend import permute_rows, scatter_programs, zero_unwritten_rows
 
@@ -140,25 +146,17 @@ def quantize_permute_triton(x, rid, probs, n, block_size, fp8_dtype, scale_mode,
 
 def quantize_permute_mask_triton(x, mask, n, align_size, probs, block_size, fp8_dtype,
                                  scale_mode, scale, *, one_launch=None, tiling=None, tile=None,
-                                 steps=0, kb=4, num_warps=4, reg_routes=None, pdl=None,
+                                 steps=MASK_QUANT_STEPS, kb=QUANT_PERMUTE_KB,
+                                 num_warps=QUANT_PERMUTE_WARPS, reg_routes=None, pdl=None,
                                  poison=False):
     """``(q, scale, permuted_probs, row_id_map)`` of ``x [T, H]`` by ``mask [T, E]`` with
     the map built in the fused launch (CUDA, or CPU under TRITON_INTERPRET=1): as
     ``make_row_id_map`` then ``quantize_permute_triton``, bit for bit. ``one_launch``,
     ``tiling`` and ``pdl`` as in ``permute_mask_triton``; ``tile`` (row elements a step)
-    defaults to 4096 at every H, ``steps`` to 0 (the whole row); the rest as in
-    ``quantize_permute_triton``.
-    No host sync."""
+    defaults to ``MASK_QUANT_TILE`` at every H, ``steps`` to ``MASK_QUANT_STEPS`` (0: the
+    whole row); the rest as in ``quantize_permute_triton``. No host sync."""
     from qmoe.ops._kernels.quantize_permute import quantize_permute_mask_kernel
-    from qmoe.ops.backend import tail_programs
-    from qmoe.ops.permute_mask import count_chunk, fused_map_tiling, reg_routes_flag
-    from qmoe.ops.row_id_map import (
-        block_counts,
-        mask_operand,
-        pdl_default,
-        pdl_options,
-        small_mask,
-    )
+    from qmoe.ops.row_id_map import block_counts, mask_operand, pdl_default, pdl_options
 
     t, h = x.shape
     e = mask.shape[1]
@@ -179,9 +177,9 @@ def quantize_permute_mask_triton(x, mask, n, align_size, probs, block_size, fp8_
     z = tail_programs(n)
     has_p = probs is not None
     be = next_pow2(e)
-    # 4096 row elements a step at every H (the sweep: a token's map work is done once per
+    # MASK_QUANT_TILE row elements a step at every H (a token's map work is done once per
     # program, so splitting a row over programs repeats it; 1024 lost 8-16 points)
-    consts = _consts(x, fp8_dtype, scale_mode, bs, nb, tile or 4096, steps)
+    consts = _consts(x, fp8_dtype, scale_mode, bs, nb, tile or MASK_QUANT_TILE, steps)
     quantize_permute_mask_kernel[(t + ranges + z, _column_programs(nb, consts))](
         x, q, s_out, m, before, total, rid, probs, pp if has_p else None, t, n, h, nb, e,
         max(align_size, 1), z, x.stride(0), m.stride(0), probs.stride(0) if has_p else None,
@@ -283,18 +281,9 @@ _quantize_permute.register_autograd(_backward, setup_context=_setup)
 _quantize_permute_mask.register_autograd(_backward, setup_context=_setup)
 
 
-#: Output rows per token (N / T) from which the fused quantize-permute of a mask builds its
-#: map rows in its own launch (``quantize_permute_mask``) rather than reading a map built
-#: before it. Chosen by ``benchmarks/sweep_permute_mask.py --reg-routes 0,1 --quant-tiles
-#: 1024,4096`` on the H200 (docs/benchmarks.md, "Routes from registers; the map in the
-#: quantize launch"): the map built inside gains 1-6 points at dsv3, qwen3 and qwen3next
-#: (N = 8T to 10T) and loses 3-9 at mixtral and gptoss (N = 2T, 4T), where each token's
-#: map work is shared by fewer output rows.
-MASK_MAP_MIN_ROWS_PER_TOKEN = 6
-
-
 def _map_in_launch(x, is_index: bool, n: int) -> bool:
-    """Whether ``quantize_permute_mask`` (CUDA, mask map, N >= 6T) serves the call."""
+    """Whether ``quantize_permute_mask`` (CUDA, mask map, N >= MASK_MAP_MIN_ROWS_PER_TOKEN
+    * T) serves the call."""
     return (not is_index and x.is_cuda
             and n >= MASK_MAP_MIN_ROWS_PER_TOKEN * max(x.shape[0], 1))
 

@@ -32,13 +32,21 @@ mask map (after each expert's rows, its padding; then the tail past the padded t
 from __future__ import annotations
 
 import os
-from typing import NamedTuple
 
 import torch
 
-from qmoe._intmath import cdiv, next_pow2, prev_pow2
+from qmoe._intmath import cdiv, next_pow2
 from qmoe._library import define
 from qmoe.ops.checks import ID_LIMIT
+from qmoe.ops.tuning import (
+    MapTiling,
+    map_tiling,
+    scan_tile,
+    small_index_map,
+    small_index_tile,
+    small_map_walk,
+    small_mask,
+)
 
 
 def compact_routes(dst: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
@@ -111,34 +119,6 @@ def _index_rows(routing_map: torch.Tensor, num_out_tokens: int) -> torch.Tensor:
     return torch.cat([dst, col, keep.sum(1, dtype=torch.int32)[:, None]], dim=1).contiguous()
 
 
-class MapTiling(NamedTuple):
-    """Launch shape of the mask-map kernels: ``block_t`` tokens per block (one program of
-    the count and map passes, one row of per-expert counts), walked one token row at a
-    time; ``num_warps`` of both passes; the map pass loads ``prefetch`` rows ahead."""
-
-    block_t: int
-    num_warps: int
-    prefetch: int = 2
-
-
-def map_tiling(t: int, e: int) -> MapTiling:
-    """The tiling the launcher uses for a ``[T, E]`` mask: ``next_pow2(E) / 128`` warps
-    (1 to 8: ~4 experts a thread from E = 65 to 1024, fewer below, more above), blocks of
-    16 tokens (8 once ``next_pow2(E) > 128``) but at least ~512 blocks (down to 2 tokens),
-    up to 8 rows loaded ahead. Chosen by ``benchmarks/sweep_map.py`` on the H200
-    (docs/benchmarks.md, "Mask map (`make_row_id_map`, `map_tiling`)"): the map pass is
-    bound by the latency of each row's scan, so short blocks over many programs win until
-    the per-block counts grow; more warps lose."""
-    be = next_pow2(e)
-    bt = max(2, min(16 if be <= 128 else 8, prev_pow2(t // 512)))
-    return MapTiling(bt, max(1, min(8, be // 128)), min(8, bt))
-
-
-#: Mask bytes (T * next_pow2(E) * element size) up to which the map is built in one
-#: launch, each program counting the whole mask itself (``mask_row_id_map_small_kernel``).
-SMALL_MAP_BYTES = 1 << 15
-
-
 def unit_stride(t: torch.Tensor | None) -> torch.Tensor | None:
     """``t`` (or None) with unit stride along its last dim: the kernels step columns by 1
     and take only a row stride (a copy only for column-strided tensors, e.g. the
@@ -153,12 +133,6 @@ def mask_operand(routing_map: torch.Tensor) -> torch.Tensor:
     column stride."""
     m = routing_map.view(torch.uint8) if routing_map.dtype == torch.bool else routing_map
     return unit_stride(m)
-
-
-def small_mask(m: torch.Tensor) -> bool:
-    """Whether a mask (from ``mask_operand``) is small enough (``SMALL_MAP_BYTES``) for the
-    one-launch forms, whose programs each count all of it."""
-    return m.shape[0] * next_pow2(m.shape[1]) * m.element_size() <= SMALL_MAP_BYTES
 
 
 def pdl_default(x: torch.Tensor) -> bool:
@@ -231,8 +205,7 @@ def _scan_block_counts(before: torch.Tensor, total: torch.Tensor, pdl: bool) -> 
     from qmoe.ops._kernels.row_id_map import block_scan_kernel
 
     nblk, e = before.shape
-    cols = min(next_pow2(e), max(1, next_pow2(cdiv(e, 128))))  # ~128 programs
-    chunk = max(1, min(next_pow2(nblk), 4096 // cols))
+    cols, chunk = scan_tile(nblk, e)
     block_scan_kernel[(cdiv(e, cols),)](before, total, nblk, e, CHUNK_B=chunk, COLS=cols,
                                         PDL=pdl, **pdl_options(pdl))
 
@@ -273,11 +246,10 @@ def _mask_rows_triton(
     nblk = cdiv(t, bt)
     a = max(align_size, 1)
     if one_launch if one_launch is not None else small_mask(m):
-        # the counting walk: 8192 entries a step over 4 warps (64 a thread)
-        chunk = max(1, min(next_pow2(t), 8192 // be))
+        chunk, small_warps = small_map_walk(t, be, nw)
         mask_row_id_map_small_kernel[(nblk,)](
             m, rid, fill, t, e, num_out_tokens, a, m.stride(0), BLOCK_T=bt, BLOCK_E=be,
-            CHUNK_T=chunk, PREFETCH=min(pf, bt), num_warps=max(4, nw),
+            CHUNK_T=chunk, PREFETCH=min(pf, bt), num_warps=small_warps,
         )
         return rid, fill
     counts, total = block_counts(m, bt, nw, pdl)
@@ -289,19 +261,6 @@ def _mask_rows_triton(
     return rid, fill
 
 
-#: Index maps built in one launch without a sort (``index_row_id_map_small_kernel``): every
-#: program reads all T*K ids and compares them with its K (a [K, K] step packs the routes),
-#: so at most this many (token, slot) entries, T*T*K ids read in all, and K slots; larger
-#: index maps take the sorting torch path.
-SMALL_INDEX_ENTRIES, SMALL_INDEX_READS, SMALL_INDEX_K = 1 << 13, 1 << 21, 64
-
-
-def small_index_map(t: int, k: int) -> bool:
-    """Whether a ``[T, K]`` index map is built by the one-launch kernel (on CUDA)."""
-    return 0 < t * k <= SMALL_INDEX_ENTRIES and t * t * k <= SMALL_INDEX_READS and (
-        k <= SMALL_INDEX_K)
-
-
 def _index_rows_triton(routing_map: torch.Tensor, num_out_tokens: int):
     """``(row_id_map, fill)`` of a small index map in one Triton launch (CUDA, or the
     interpreter); equal to ``_index_rows`` and its ``fill``."""
@@ -311,10 +270,10 @@ def _index_rows_triton(routing_map: torch.Tensor, num_out_tokens: int):
     ids = unit_stride(routing_map)
     rid = ids.new_empty((t, 2 * k + 1), dtype=torch.int32)
     fill = rid.new_empty((1, 2))
-    bk = next_pow2(k)
+    chunk, nw = small_index_tile(t, k)
     index_row_id_map_small_kernel[(t,)](
-        ids, rid, fill, t, k, num_out_tokens, ids.stride(0), BLOCK_K=bk,
-        CHUNK=max(16, min(next_pow2(t * k), 8192 // bk)), num_warps=4,
+        ids, rid, fill, t, k, num_out_tokens, ids.stride(0), BLOCK_K=next_pow2(k),
+        CHUNK=chunk, num_warps=nw,
     )
     return rid, fill
 

@@ -12,10 +12,12 @@ from qmoe._intmath import cdiv, next_pow2
 from qmoe._library import define
 from qmoe.ops import checks as C
 from qmoe.ops.backend import assert_options, gather_rows, unit_stride
-
-#: Most chunks the one-launch Triton sort takes (every program holds the C sizes and the
-#: order in registers); more go through ``chunk_source_rows`` and ``gather_rows``.
-MAX_KERNEL_CHUNKS = 4096
+from qmoe.ops.tuning import (
+    MAX_KERNEL_CHUNKS,
+    SIDE_WIDE_MAX_COLS,
+    SORT_CHUNKS_WARPS,
+    sort_chunks_tile,
+)
 
 
 def one_launch(inp: torch.Tensor, split_sizes: torch.Tensor) -> bool:
@@ -35,7 +37,7 @@ def sort_chunks_triton(
     check: bool = True,
     steps: int | None = None,
     block_h: int | None = None,
-    num_warps: int = 4,
+    num_warps: int = SORT_CHUNKS_WARPS,
     max_scan: int | None = None,
     words: bool = True,
     side_wide: bool | None = None,
@@ -51,25 +53,18 @@ def sort_chunks_triton(
     program 0 asserts on the device that the sizes are >= 0 and sum to at most T and that
     the order is a permutation; moved probs must not be NaN. No host sync.
 
-    Tiles: ~16 KiB of rows (``block_h`` columns, up to 16 KiB of one row), one tile
-    (``steps``; for byte rows see below) and 4 warps (``num_warps``) a program; chosen by
-    ``benchmarks/sweep_sort_chunks.py`` on the H200 (docs/benchmarks.md, "Chunk sort"):
-    within 3 points of the best of 16 tilings at dsv3, qwen3, qwen3next, mixtral and
-    gptoss, where 8-warp tilings fall as low as 17.2% of copy (qwen3next). Byte rows (FP8
-    bits, e8m0 scales): ``words`` moves them as int32 words where the layout allows, in 4
-    tiles a program where the chunk scan is long against the tile's rows (``BLOCK_C >= 64
-    * BLOCK_R``); ``sweep_sort_chunks.py --fp8`` (docs/benchmarks.md, "FP8 rows: int32
-    words, the scan cut, side rows"), % of copy: words against bytes, dsv3 blockwise 90.4
-    vs 72.2, qwen3, mixtral and gptoss within about a point; 4 tiles against 1, qwen3next
-    blockwise 66.8 vs 49.2, dsv3 within 1.3 points. ``max_scan`` (default
-    ``MAX_SCAN_ELEMENTS``) cuts the tiles (all overridable for the sweep). ``out`` (tests:
-    poisoned) receives the rows. ``side`` ``[T, NS]`` (the block scales of quantized rows)
-    moves alike into ``side_out`` (given by the caller) in the same launch
-    (``qmoe::sort_chunks_rows``); ``side_wide`` (default: tiles of at most
-    ``SIDE_WIDE_MAX_COLS`` columns; always ``block_h >= NS``) shapes its tiles as the
-    rows'; ``side_words`` moves byte side rows (e8m0 scales) as int32 words where their
-    layout allows (same section: qwen3next MX 88.7% of copy in words against 73.6 in bytes;
-    dsv3, mixtral and gptoss within half a point)."""
+    Tiles: ``tuning.sort_chunks_tile`` (``block_h``, ``steps`` and ``max_scan`` override
+    it) and ``SORT_CHUNKS_WARPS`` (``num_warps``), all overridable for the sweep. Byte rows
+    (FP8 bits, e8m0 scales): ``words`` moves them as int32 words where the layout allows;
+    ``sweep_sort_chunks.py --fp8`` (docs/benchmarks.md, "FP8 rows: int32 words, the scan
+    cut, side rows"), % of copy: words against bytes, dsv3 blockwise 90.4 vs 72.2, qwen3,
+    mixtral and gptoss within about a point. ``out`` (tests: poisoned) receives the rows.
+    ``side`` ``[T, NS]`` (the block scales of quantized rows) moves alike into ``side_out``
+    (given by the caller) in the same launch (``qmoe::sort_chunks_rows``); ``side_wide``
+    (default: tiles of at most ``SIDE_WIDE_MAX_COLS`` columns; always ``block_h >= NS``)
+    shapes its tiles as the rows'; ``side_words`` moves byte side rows (e8m0 scales) as
+    int32 words where their layout allows (same section: qwen3next MX 88.7% of copy in
+    words against 73.6 in bytes; dsv3, mixtral and gptoss within half a point)."""
     from qmoe.ops._kernels.sort_chunks import sort_chunks_kernel
 
     t, h = inp.shape
@@ -93,21 +88,10 @@ def sort_chunks_triton(
     views = _int32_views(inp, out) if words else None  # byte rows: 4 bytes a lane
     words = views is not None
     src, dst = views or (inp, out)
-    hw, elem = src.shape[1], src.element_size()
-    if block_h is None:  # ~16 KiB a tile, as gather_rows
-        block_h = max(16, min(16384 // elem, next_pow2(max(hw, 1))))
-    bh = block_h
-    br = max(1, 16384 // (bh * elem))
+    hw = src.shape[1]
+    br, bh, steps = sort_chunks_tile(t, hw, src.element_size(), c, words, block_h=block_h,
+                                     steps=steps, max_scan=max_scan)
     block_c = next_pow2(c)
-    if steps is None:  # words (FP8 bits) with a long chunk scan a row: 4 tiles a program
-        steps = 4 if words and block_c >= 64 * br else 1
-    max_scan = max_scan or MAX_SCAN_ELEMENTS
-    if br * block_c > max_scan:  # short rows, many chunks: bound the per-row scan
-        cap = max(1, max_scan // block_c)
-        # the cut tiles in up to 8 times the steps a program (one chunk table for all), as
-        # long as that leaves about 2048 programs or more
-        steps *= max(1, min(8, br // cap, cdiv(t, cap * steps) // 2048))
-        br = cap
     has_s = side is not None
     side = unit_stride(side)
     if has_s and side_words:  # (views of the caller's side_out: written in place)
@@ -125,27 +109,6 @@ def sort_chunks_triton(
         **assert_options(),  # check_chunks, assert_probs_not_nan
     )
     return out, pp
-
-
-#: Largest ``BLOCK_R * BLOCK_C`` of a tile: a program whose rows straddle a chunk boundary
-#: scans the chunks for each row (``chunk_sources``), ``[BLOCK_R, BLOCK_C]`` at a time. At
-#: 256 rows x 512 chunks (qwen3next's FP8 scale rows) that ran at 10% of copy; the measured
-#: bf16 tilings stay at or under it (qwen3next: 4 rows x 512 chunks).
-#: ``benchmarks/sweep_sort_chunks.py --scales --configs qwen3next`` (docs/benchmarks.md,
-#: "FP8 rows: int32 words, the scan cut, side rows"): qwen3next's blockwise scale rows
-#: alone take 0.068 ms cut, 1.45 ms uncut.
-MAX_SCAN_ELEMENTS = 4096
-
-
-#: Widest row tile whose side rows (block scales) move in tiles of the rows' own shape
-#: (``SIDE_WIDE``: the side tile then shares the rows' layout, at the cost of masked-off
-#: lanes). Chosen by ``benchmarks/sweep_sort_chunks.py --fp8`` on the H200
-#: (docs/benchmarks.md, "FP8 rows: int32 words, the scan cut, side rows"), % of copy, narrow
-#: / wide: qwen3next (512 int32 columns) blockwise 67.5 / 88.7, MX 68.4 / 73.5; dsv3 (2048
-#: columns) blockwise 88.9 / 83.2, MX 89.0 / 71.1. At 1024 columns (``--steps 1``: qwen3,
-#: mixtral, gptoss) wide differs from narrow by -2.6 to +0.9 points: no gain, they stay
-#: narrow.
-SIDE_WIDE_MAX_COLS = 512
 
 
 def _int32_views(

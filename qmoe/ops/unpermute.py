@@ -8,7 +8,6 @@ from qmoe._intmath import next_pow2
 from qmoe._library import define
 from qmoe.ops import checks as C
 from qmoe.ops.backend import (
-    merge_backward_tile,
     merge_weight_grad,
     permute_rows,
     unit_stride,
@@ -16,6 +15,7 @@ from qmoe.ops.backend import (
     zero_unwritten_rows,
 )
 from qmoe.ops.row_id_map import num_slots
+from qmoe.ops.tuning import merge_backward_tile
 
 
 @define("unpermute(Tensor inp, Tensor row_id_map, Tensor? merging_probs) -> Tensor")

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from qmoe._intmath import cdiv, next_pow2
+from qmoe._intmath import cdiv
 from qmoe._library import define
 from qmoe.tensors.base import QuantizedTensor
 from qmoe.tensors.layouts import (
@@ -37,6 +37,7 @@ from qmoe.tensors.layouts import (
     fp8_fields,
 )
 from qmoe.tensors.recipes import MXFP8, Blockwise, PerTensor, Recipe, fp8_max
+from qmoe.tensors.tuning import PER_TENSOR_BLOCK, quantize_rows_tile
 from qmoe.tensors.types import Float8BlockwiseTensor, Float8Tensor, MXFP8Tensor
 
 __all__ = ["quantize", "dequantize", "quantize_reference", "quantize_rows_triton"]
@@ -204,11 +205,7 @@ def quantize_rows_triton(
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     r = x2.shape[0]
-    if tile is None:
-        groups = max(1, min(512 // block_size, next_pow2(nb)))
-        block_r, num_warps = max(1, 4096 // (groups * block_size)), 4
-    else:
-        block_r, groups, num_warps = tile
+    block_r, groups, num_warps = quantize_rows_tile(block_size, nb) if tile is None else tile
     grid = (cdiv(r, block_r), cdiv(nb, groups))
     mb, bias = fp8_fields(fp8_dtype)
     quantize_rows_kernel[grid](
@@ -287,7 +284,7 @@ def _quantize_with_scale(
 ) -> torch.Tensor:
     check_op_dtypes("quantize_with_scale", x, fp8_dtype)
     if x.is_cuda:
-        return quantize_rows_triton(x, 512, fp8_dtype, "given", scale.float())[0]
+        return quantize_rows_triton(x, PER_TENSOR_BLOCK, fp8_dtype, "given", scale.float())[0]
     return _saturate_cast(x.float() / scale.float(), fp8_dtype)
 
 

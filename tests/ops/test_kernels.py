@@ -13,6 +13,7 @@ import torch
 
 from qmoe._intmath import next_pow2
 from qmoe.ops import backend as B
+from qmoe.ops import tuning as T
 from qmoe.ops.row_id_map import make_row_id_map
 from tests.ops.helpers import assert_merge_close, merge_fp64, routing
 from tests.tensors.helpers import assert_same_bits
@@ -80,8 +81,8 @@ def test_permute_unpermute_kernels(kdevice, t, h, e, k, kind, extra, map_type):
 def test_merge_in_column_tiles(kdevice, h):
     """Wide rows merge in 512-column programs (evict-first): several column programs per
     token, the last one partial; 8 routes a token (odd and even counts, the pairs loop)."""
-    assert B.merge_tile(h, True) == B.merge_tile(h, False) == (512, 1, "evict_first", True)
-    assert B.merge_tile(4096, False) == (4096, 8, "", False)  # one route a step
+    assert T.merge_tile(h, True) == T.merge_tile(h, False) == (512, 1, "evict_first", True)
+    assert T.merge_tile(4096, False) == (4096, 8, "", False)  # one route a step
     t, e, k = 9, 16, 8
     ids, mask = routing(t, e, k, "sentinels", kdevice)
     n = int(mask.sum()) - 2  # two routes dropped
@@ -118,7 +119,7 @@ def test_merge_backward_one_pass(kdevice, poisoned_empty, t, h, e, k, kind, extr
         w = torch.rand(t, rm.shape[1], device=kdevice).to(dtype)
         gi, gw = merge_backward_triton(g, y, rid, w, out=_poison((n, h), dtype, kdevice))
         if h in (2880, 4100):  # the cases added for the routes a step
-            assert B.merge_backward_tile(h, rm.shape[1])[0] == (
+            assert T.merge_backward_tile(h, rm.shape[1])[0] == (
                 4 if h == 4100 and map_type == "mask" else 2)  # index: K = 7 columns
         assert_same_bits(gi.cpu(), B.permute_rows(g.cpu(), rid.cpu(), n, w.cpu(),
                                                   use_triton=False))
@@ -186,9 +187,9 @@ def test_gather_rows_kernel(kdevice, r, h):
 @pytest.mark.parametrize("align", [1, 16])
 @pytest.mark.parametrize("one_launch", [False, True], ids=["three_launches", "one_launch"])
 def test_mask_map_kernel_matches_torch(kdevice, t, e, k, kind, align, one_launch):
-    from qmoe.ops.row_id_map import SMALL_MAP_BYTES, _mask_rows, _mask_rows_triton, fill_rows
+    from qmoe.ops.row_id_map import _mask_rows, _mask_rows_triton, fill_rows
 
-    if one_launch and t * next_pow2(e) > SMALL_MAP_BYTES:
+    if one_launch and t * next_pow2(e) > T.SMALL_MAP_BYTES:
         pytest.skip("the one-launch map serves small masks only (each program reads it all)")
     ids, mask = routing(t, e, k, kind, kdevice)
     counts = mask.sum(0) if align > 1 else mask.sum()
@@ -242,7 +243,8 @@ def test_mask_map_kernel_tilings(kdevice, tiling, one_launch):
     """Blocks of one token, loads one row ahead, all rows ahead, a prefetch depth that does
     not divide the block, a last block cut short (300 tokens): the same map and fill. The
     one-launch form walks the 300 rows in several steps (128 rows a step at E = 40)."""
-    from qmoe.ops.row_id_map import MapTiling, _mask_rows, _mask_rows_triton, fill_rows
+    from qmoe.ops.row_id_map import _mask_rows, _mask_rows_triton, fill_rows
+    from qmoe.ops.tuning import MapTiling
 
     ids, mask = routing(300, 40, 3, "sentinels", kdevice)
     for n in (int(mask.sum()) - 7, int(mask.sum()) + 50):
@@ -257,7 +259,8 @@ def test_mask_map_block_scan_over_several_chunks(kdevice):
     """More blocks than one step of the block scan takes (512 at E = 520, whose programs
     own 8 experts each): the running per-expert count must carry from one chunk of blocks
     to the next."""
-    from qmoe.ops.row_id_map import MapTiling, _mask_rows, _mask_rows_triton, fill_rows
+    from qmoe.ops.row_id_map import _mask_rows, _mask_rows_triton, fill_rows
+    from qmoe.ops.tuning import MapTiling
 
     ids, mask = routing(600, 520, 3, "random", kdevice)
     n = int(mask.sum()) - 5
@@ -278,7 +281,8 @@ def test_merge_of_a_map_without_slots_is_zero(kdevice):
 
 
 def test_mask_map_rejects_bad_tiling():
-    from qmoe.ops.row_id_map import MapTiling, _mask_rows_triton
+    from qmoe.ops.row_id_map import _mask_rows_triton
+    from qmoe.ops.tuning import MapTiling
 
     mask = torch.ones(4, 3, dtype=torch.bool)
     for bad in (MapTiling(0, 1, 1), MapTiling(4, 1, 0), MapTiling(4, 3, 1)):
@@ -287,8 +291,8 @@ def test_mask_map_rejects_bad_tiling():
 
 
 def test_fp8_merge_tiles():
-    assert B.fp8_merge_tile(1100) == (1024, 2, "evict_first")
-    assert B.fp8_merge_tile(4096) == (4096, 8, "")
+    assert T.fp8_merge_tile(1100) == (1024, 2, "evict_first")
+    assert T.fp8_merge_tile(4096) == (4096, 8, "")
 
 
 @pytest.mark.parametrize("recipe", [

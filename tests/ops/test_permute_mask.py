@@ -11,7 +11,7 @@ import torch
 import qmoe
 from qmoe._intmath import next_pow2
 from qmoe.ops.permute_mask import permute_mask_triton
-from qmoe.ops.row_id_map import SMALL_MAP_BYTES, MapTiling
+from qmoe.ops.tuning import SMALL_MAP_BYTES, MapTiling
 from tests.ops.helpers import map_then_permute, routing
 from tests.tensors.helpers import RECIPES, assert_same_bits, assert_same_quantized
 

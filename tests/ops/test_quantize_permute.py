@@ -13,7 +13,7 @@ from qmoe.ops.quantize_permute import (
     quantize_permute_mask_triton,
     quantize_permute_triton,
 )
-from qmoe.ops.row_id_map import MapTiling
+from qmoe.ops.tuning import MapTiling
 from qmoe.tensors.quantize import per_tensor_scale, recipe_scale_mode
 from tests.ops.helpers import reference_routes, routing
 from tests.tensors.helpers import (

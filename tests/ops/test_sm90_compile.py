@@ -70,12 +70,8 @@ def _launches():
     from qmoe.ops.fp8 import _bits, _layout
     from qmoe.ops.permute_mask import permute_mask_triton
     from qmoe.ops.quantize_permute import quantize_permute_mask_triton, quantize_permute_triton
-    from qmoe.ops.row_id_map import (
-        MapTiling,
-        _index_rows_triton,
-        _mask_rows_triton,
-        make_row_id_map,
-    )
+    from qmoe.ops.row_id_map import _index_rows_triton, _mask_rows_triton, make_row_id_map
+    from qmoe.ops.tuning import MapTiling
     from qmoe.tensors.quantize import quantize_rows_triton
     from tests.ops.helpers import routing
 

@@ -123,7 +123,8 @@ def test_kernel_short_rows_many_chunks(kdevice, h, dtype, steps):
     2048; not h = 90); short rows' tiles are cut to at most MAX_SCAN_ELEMENTS rows x chunks
     (300 chunks: 512 in the scan), one or several tiles a program; 2048-byte rows take the
     default steps (4 tiles a program: a 512-chunk scan against 8-row tiles)."""
-    from qmoe.ops.sort_chunks import MAX_SCAN_ELEMENTS, sort_chunks_triton
+    from qmoe.ops.sort_chunks import sort_chunks_triton
+    from qmoe.ops.tuning import MAX_SCAN_ELEMENTS
 
     assert MAX_SCAN_ELEMENTS < 256 * 512  # the cut applies here
     t, c = 800, 300
