@@ -43,7 +43,13 @@ from torchao.quantization import Float8Tensor as AOFloat8Tensor
 
 from qmoe.ops.fp8 import permute_args
 from qmoe.tensors import Float8BlockwiseTensor, Float8Tensor, MXFP8Tensor
-from qmoe.tensors.layouts import FP8_BLOCK_E8M0, FP8_BLOCK_FP32, FP8_DTYPES, FP8_PER_TENSOR
+from qmoe.tensors.layouts import (
+    FP8_BLOCK_E8M0,
+    FP8_BLOCK_FP32,
+    FP8_DTYPES,
+    FP8_PER_TENSOR,
+    MX_BLOCK_SIZE,
+)
 
 __all__ = ["from_torchao", "to_torchao", "TORCHAO_CLASSES"]
 
@@ -65,7 +71,7 @@ def _parts(t: torch.Tensor):
     if isinstance(t, MXTensor):
         if t.is_swizzled_scales:
             raise _refuse(t, "swizzled scales (is_swizzled_scales=True)")
-        if t.qdata.dim() != 2 or t.block_size != 32 or t.qdata.dtype not in FP8_DTYPES:
+        if t.qdata.dim() != 2 or t.block_size != MX_BLOCK_SIZE or t.qdata.dtype not in FP8_DTYPES:
             raise _refuse(t, f"block_size={t.block_size}, {t.qdata.dtype} {tuple(t.shape)}")
         return t.qdata, t.scale, True
     if isinstance(t, AOFloat8Tensor):
@@ -167,7 +173,7 @@ def _unpermute_rule(cls, func, types, args, kwargs):
     if isinstance(x, Float8TrainingTensor):
         return func(data.float() / scale, rid, weights).to(x._orig_dtype)
     if isinstance(x, MXTensor):
-        layout, bs, s = FP8_BLOCK_E8M0, 32, scale.view(torch.uint8)
+        layout, bs, s = FP8_BLOCK_E8M0, MX_BLOCK_SIZE, scale.view(torch.uint8)
     elif rows:
         layout, bs, s = FP8_BLOCK_FP32, data.shape[1] // scale.shape[1], scale
     else:
@@ -226,15 +232,15 @@ def to_torchao(t: torch.Tensor, cls: type, **kwargs: Any) -> torch.Tensor:
     if cls is MXTensor:
         if not isinstance(t, MXFP8Tensor):
             raise ValueError(f"to_torchao: MXTensor needs an MXFP8Tensor, got {kind}")
-        if h % 32:
-            raise ValueError(f"to_torchao: MXTensor needs whole 1x32 blocks, H={h} is not a "
-                             "multiple of 32")
+        if h % MX_BLOCK_SIZE:
+            raise ValueError(f"to_torchao: MXTensor needs whole 1x{MX_BLOCK_SIZE} blocks, "
+                             f"H={h} is not a multiple of {MX_BLOCK_SIZE}")
         if not (t.qdata.is_contiguous() and t.scale_bits.is_contiguous()):
             raise ValueError("to_torchao: MXTensor needs contiguous data and scales (its "
                              "dequantize asserts it); pass t.contiguous()")
         from torchao.quantization.quantize_.common import KernelPreference
 
-        return MXTensor(t.qdata, t.scale, t.qdata.dtype, 32, t.orig_dtype,
+        return MXTensor(t.qdata, t.scale, t.qdata.dtype, MX_BLOCK_SIZE, t.orig_dtype,
                         kwargs.get("kernel_preference", KernelPreference.EMULATED),
                         kwargs.get("act_quant_kwargs"), False)
     if isinstance(t, MXFP8Tensor):

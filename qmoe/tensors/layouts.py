@@ -37,6 +37,11 @@ FP8_PER_TENSOR = 0  # one fp32 scale for all rows (Float8Tensor)
 FP8_BLOCK_FP32 = 1  # fp32 block scales, a row of them per data row (Float8BlockwiseTensor)
 FP8_BLOCK_E8M0 = 2  # e8m0 block scale bytes, a row of them per data row (MXFP8Tensor)
 
+#: The MX block (OCP MX v1.0): one e8m0 scale per 1 x 32 elements (MXFP8, MXFP8Tensor).
+MX_BLOCK_SIZE = 32
+#: The default ``block_size`` of ``qmoe.Blockwise`` and ``Float8BlockwiseTensor``:
+#: DeepSeek-V3's 1 x 128 activation blocks.
+BLOCKWISE_BLOCK_SIZE = 128
 #: ``qmoe.Blockwise``'s ``block_size``: a power of two in this range (inclusive).
 BLOCKWISE_BLOCK_SIZES = (16, 1024)
 #: The direct quantize ops' ``block_size`` (``qmoe::quantize_blocks``, the fused

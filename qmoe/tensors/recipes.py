@@ -6,7 +6,12 @@ from dataclasses import dataclass
 
 import torch
 
-from qmoe.tensors.layouts import BLOCKWISE_BLOCK_SIZES, FP8_DTYPES
+from qmoe.tensors.layouts import (
+    BLOCKWISE_BLOCK_SIZE,
+    BLOCKWISE_BLOCK_SIZES,
+    FP8_DTYPES,
+    MX_BLOCK_SIZE,
+)
 
 __all__ = ["PerTensor", "Blockwise", "MXFP8", "Recipe", "fp8_max"]
 
@@ -52,7 +57,7 @@ class Blockwise:
     ``scale = max(amax_block, 1e-12) / fp8_max``, optionally rounded up to a power of two.
     """
 
-    block_size: int = 128
+    block_size: int = BLOCKWISE_BLOCK_SIZE
     fp8_dtype: torch.dtype = torch.float8_e4m3fn
     power_of_two_scale: bool = False
 
@@ -99,7 +104,7 @@ class MXFP8:
     fp8_dtype: torch.dtype = torch.float8_e4m3fn
     scale_rounding: str = "floor"
 
-    block_size = 32
+    block_size = MX_BLOCK_SIZE
 
     def __post_init__(self) -> None:
         _check_fp8("MXFP8", self.fp8_dtype)

@@ -12,7 +12,7 @@ from typing import ClassVar
 import torch
 
 from qmoe.tensors.base import QuantizedTensor, e8m0_to_fp32, rebuild_quantized
-from qmoe.tensors.layouts import check_block_size
+from qmoe.tensors.layouts import BLOCKWISE_BLOCK_SIZE, MX_BLOCK_SIZE, check_block_size
 
 __all__ = ["Float8Tensor", "Float8BlockwiseTensor", "MXFP8Tensor"]
 
@@ -40,7 +40,8 @@ class Float8BlockwiseTensor(QuantizedTensor):
     tensor_attribute_names: ClassVar[tuple[str, ...]] = ("orig_dtype", "block_size")
     block_size: int
 
-    def __new__(cls, qdata, scale, orig_dtype, block_size=128, *, requires_grad=False):
+    def __new__(cls, qdata, scale, orig_dtype, block_size=BLOCKWISE_BLOCK_SIZE, *,
+                requires_grad=False):
         check_block_size("Float8BlockwiseTensor", block_size)
         return super().__new__(
             cls, qdata, scale, orig_dtype, block_size, requires_grad=requires_grad
@@ -61,7 +62,7 @@ class MXFP8Tensor(QuantizedTensor):
 
     tensor_data_names: ClassVar[tuple[str, ...]] = ("qdata", "scale_bits")
     tensor_attribute_names: ClassVar[tuple[str, ...]] = ("orig_dtype",)
-    block_size = 32
+    block_size = MX_BLOCK_SIZE
     scale_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.uint8,)
     scale_bits: torch.Tensor
 
