@@ -12,9 +12,12 @@ under ``TRITON_INTERPRET=1`` on CPU tensors.
 import triton
 import triton.language as tl
 
-# SCALE_MODE values (constexpr): SCALE_AMAX, SCALE_POW2, SCALE_MX_FLOOR, SCALE_GIVEN and
-# SCALE_MX_RCEIL in qmoe/tensors/layouts.py, which the launchers pass; the kernels below
-# compare against their numbers, each named in a comment.
+# SCALE_MODE values (constexpr), defined in qmoe/tensors/layouts.py, which the launchers
+# pass; the kernels below compare against their numbers, each named in a comment:
+# SCALE_AMAX = 0: scale = max(amax, EPS) / FP8_MAX, fp32; SCALE_POW2 = 1: the same, rounded
+# up to a power of two, fp32; SCALE_MX_FLOOR = 2: OCP MX v1.0, e8m0 byte; SCALE_GIVEN = 3:
+# per-tensor, one fp32 scale read from s_ptr, nothing written; SCALE_MX_RCEIL = 4:
+# TransformerEngine's, amax / FP8_MAX rounded up to a power of two, e8m0 byte.
 
 
 @triton.jit
