@@ -183,8 +183,9 @@ def small_index_map(t: int, k: int) -> bool:
 
 
 def small_index_tile(t: int, k: int) -> tuple[int, int]:
-    """``(CHUNK, num_warps)`` of ``index_row_id_map_small_kernel``: about 8192 ids compared
-    a step (at least 16 of its block's ids), 4 warps."""
+    """``(CHUNK, num_warps)`` of ``index_row_id_map_small_kernel``: the (token, slot)
+    entries compared a step with a token's K ids (about 8192 comparisons, at least 16
+    entries), 4 warps."""
     return max(16, min(next_pow2(t * k), 8192 // next_pow2(k))), 4
 
 
@@ -224,7 +225,7 @@ FUSED_INDEX_BLOCK_T = 16
 FUSED_INDEX_WARPS = 4
 #: Largest E at which the fused index permute beats the sorting map then the scatter: benchmarks/sweep_permute_mask.py --rows bf16 --index (docs/benchmarks.md, "Index permute").
 FUSED_INDEX_MAX_EXPERTS = 256
-#: Largest K of the fused index permute, the largest timed (its programs compare K ids with their block's earlier tokens': a cost growing as K squared).
+#: Largest K of the fused index permute (the timed configs reach qwen3next's 10; its programs compare their K ids with their block's earlier tokens', a cost growing as K squared).
 FUSED_INDEX_MAX_K = 16
 
 
