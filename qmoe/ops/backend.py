@@ -114,7 +114,7 @@ def permute_rows(
     has_f = fill is not None
     # Arguments a launch does not use go in as None (Triton makes them compile-time
     # constants): each tensor argument costs about 2 us of host time per launch in Triton's
-    # binding, which is most of a small eager call (benchmarks/profile_small.py).
+    # binding, which is most of a small eager call (``python -m benchmarks profile small``).
     written = None if has_f else torch.zeros(n, dtype=torch.int8, device=x.device)
     has_p = probs is not None
     has_s = side is not None

@@ -12,7 +12,7 @@ does what ``permute_mask_triton`` does for masks: per-block route counts, their 
 one kernel (``_kernels/permute_index.py``) whose token programs build their own map rows
 and move their data rows. It needs E (``num_experts``): the counts are per expert. Its map
 and rows equal ``make_row_id_map(ids, N, True, 1)`` then ``permute``, bit for bit (tests).
-``benchmarks/sweep_permute_mask.py --index`` times both. Off CUDA the op runs
+``python -m benchmarks sweep permute_mask --index`` times both. Off CUDA the op runs
 ``make_row_id_map`` then ``permute``.
 """
 

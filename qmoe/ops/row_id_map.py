@@ -223,7 +223,7 @@ def _mask_rows_triton(
     ``SMALL_MAP_BYTES`` (``one_launch`` forces either). ``tiling`` overrides
     ``map_tiling`` (tests shrink it to reach many blocks with small inputs; the sweep
     tries others). ``pdl`` (Hopper; off by default): the scan and the map pass as
-    programmatic dependent launches. ``benchmarks/sweep_map.py --pdl 0,1`` on the H200
+    programmatic dependent launches. ``python -m benchmarks sweep map --pdl 0,1`` on the H200
     (docs/benchmarks.md, "Mask map (`make_row_id_map`, `map_tiling`)", its paragraph on
     PDL staying off for the map pass): PDL is 0.5-1.9 us faster at dsv3, qwen3next and
     mixtral, but twice as slow at qwen3 and gptoss (0.038 against 0.022 ms, 0.034 against

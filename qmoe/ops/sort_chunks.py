@@ -56,7 +56,7 @@ def sort_chunks_triton(
     Tiles: ``tuning.sort_chunks_tile`` (``block_h``, ``steps`` and ``max_scan`` override
     it) and ``SORT_CHUNKS_WARPS`` (``num_warps``), all overridable for the sweep. Byte rows
     (FP8 bits, e8m0 scales): ``words`` moves them as int32 words where the layout allows;
-    ``sweep_sort_chunks.py --fp8`` (docs/benchmarks.md, "FP8 rows: int32 words, the scan
+    ``sweep sort_chunks --fp8`` (docs/benchmarks.md, "FP8 rows: int32 words, the scan
     cut, side rows"), % of copy: words against bytes, dsv3 blockwise 90.4 vs 72.2, qwen3,
     mixtral and gptoss within about a point. ``out`` (tests: poisoned) receives the rows.
     ``side`` ``[T, NS]`` (the block scales of quantized rows) moves alike into ``side_out``

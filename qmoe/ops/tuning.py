@@ -30,7 +30,7 @@ def _block_h(h: int) -> int:
 def scatter_tile(h: int, itemsize: int, weighted: bool) -> tuple[int, int, int]:
     """``(BLOCK_H, num_warps, KB)`` of the scatter kernel: up to 16 KiB of a row per
     program (2048 columns when weighted, whose math is fp32). Chosen by
-    ``benchmarks/sweep_permute.py`` on the H200 (docs/benchmarks.md, "Scatter tiles"):
+    ``python -m benchmarks sweep permute`` on the H200 (docs/benchmarks.md, "Scatter tiles"):
     within 2 points of each config's best at dsv3, qwen3, mixtral and gptoss."""
     cap = 2048 if weighted else 16384 // itemsize
     bh = max(16, min(cap, next_pow2(max(h, 1))))
@@ -65,7 +65,7 @@ def merge_tile(h: int, weighted: bool) -> tuple[int, int, str, bool]:
     Weighted, or at an H that is not a power of two up to 4096: 512 columns and one warp a
     program (fewer for H < 512), two routes a step, rows streamed through L2 evict-first.
     Unweighted at a power-of-two H up to 4096: one tile of H columns (8 warps at 4096), one
-    route a step. Chosen by ``benchmarks/sweep_gather.py`` on the H200
+    route a step. Chosen by ``python -m benchmarks sweep gather`` on the H200
     (docs/benchmarks.md, "bf16 merge tiles (`merge_tile`)"), kernel alone, % of copy:
     weighted dsv3 92.5 (against 81.7 with 4096 columns, 8 warps, one route a step), qwen3
     94.2 (91.3), qwen3next 90.9 (87.3), mixtral 81.4 (77.1), gptoss 80.5 (68.6); unweighted
@@ -80,7 +80,7 @@ def fp8_merge_tile(h: int) -> tuple[int, int, str]:
     """``(BLOCK_H, num_warps, eviction policy)`` of the FP8 merge kernel. A power-of-two H
     up to 4096, or any H up to 1024, is one tile (8 warps at 4096); a larger H goes in
     1024-column tiles of 2 warps with the fp8 rows read evict-first. Chosen by
-    ``benchmarks/sweep_gather.py --quick --more`` on the H200 (docs/benchmarks.md, "FP8
+    ``python -m benchmarks sweep gather --quick --more`` on the H200 (docs/benchmarks.md, "FP8
     merge (`fp8_merge_tile`; no load-ahead)"), blockwise kernel alone, % of copy: 1024 / 2 /
     evict-first against one tile of 8 warps, dsv3 (H = 7168) 75.5 vs 66.9, gptoss (2880)
     65.4 vs 53.7; at H = 4096 and 2048 the one tile is ahead (qwen3 78.3 vs 75.2, qwen3next
@@ -107,7 +107,7 @@ def merge_backward_tile(h: int, p: int) -> tuple[int, int, int]:
     """``(KB, BLOCK_H, num_warps)`` of ``merge_backward_kernel`` (both gradients of the
     weighted merge, ``p`` weight columns): up to 1024 columns and 4 warps a program; four
     routes' rows a step from H = 4096 with 16 or more weight columns, else two. Chosen by
-    ``benchmarks/sweep_merge_backward.py`` on the H200 (docs/benchmarks.md, "Merge backward
+    ``python -m benchmarks sweep merge_backward`` on the H200 (docs/benchmarks.md, "Merge backward
     (`merge_backward_tile`)"), mask maps, % of copy, against a weighted scatter plus a
     weight-gradient kernel in parentheses: dsv3 85.3 (77.4), qwen3 88.6 (82.7), qwen3next
     86.0 (79.5), mixtral 81.7 (63.5), gptoss 79.8 (63.5). Four routes a step win at dsv3
@@ -135,7 +135,7 @@ def map_tiling(t: int, e: int) -> MapTiling:
     """The tiling the launcher uses for a ``[T, E]`` mask: ``next_pow2(E) / 128`` warps
     (1 to 8: ~4 experts a thread from E = 65 to 1024, fewer below, more above), blocks of
     16 tokens (8 once ``next_pow2(E) > 128``) but at least ~512 blocks (down to 2 tokens),
-    up to 8 rows loaded ahead. Chosen by ``benchmarks/sweep_map.py`` on the H200
+    up to 8 rows loaded ahead. Chosen by ``python -m benchmarks sweep map`` on the H200
     (docs/benchmarks.md, "Mask map (`make_row_id_map`, `map_tiling`)"): the map pass is
     bound by the latency of each row's scan, so short blocks over many programs win until
     the per-block counts grow; more warps lose."""
@@ -191,13 +191,13 @@ def small_index_tile(t: int, k: int) -> tuple[int, int]:
 
 # ------------------------------------------------------ fused mask and index permutes
 
-#: Warps of the fused mask permute kernel: benchmarks/sweep_permute_mask.py (docs/benchmarks.md, "Count blocks and warps (`FUSED_BLOCK_T`, `FUSED_WARPS`)").
+#: Warps of the fused mask permute kernel: ``python -m benchmarks sweep permute_mask`` (docs/benchmarks.md, "Count blocks and warps (`FUSED_BLOCK_T`, `FUSED_WARPS`)").
 FUSED_WARPS = 4
-#: Tokens per count block of the fused mask permute: benchmarks/sweep_permute_mask.py (docs/benchmarks.md, "Count blocks and warps (`FUSED_BLOCK_T`, `FUSED_WARPS`)").
+#: Tokens per count block of the fused mask permute: ``python -m benchmarks sweep permute_mask`` (docs/benchmarks.md, "Count blocks and warps (`FUSED_BLOCK_T`, `FUSED_WARPS`)").
 FUSED_BLOCK_T = 16
 #: Token rows a program of the fused mask permute kernel (docs/benchmarks.md, "Count blocks and warps (`FUSED_BLOCK_T`, `FUSED_WARPS`)").
 FUSED_TOKENS = 1
-#: Largest next_pow2(E) whose fused mask kernels keep each route's row in registers: benchmarks/sweep_permute_mask.py --reg-routes 0,1 (docs/benchmarks.md, "Routes from registers; the map in the quantize launch").
+#: Largest next_pow2(E) whose fused mask kernels keep each route's row in registers: ``python -m benchmarks sweep permute_mask --reg-routes 0,1`` (docs/benchmarks.md, "Routes from registers; the map in the quantize launch").
 REG_ROUTES_MAX_E = 128
 
 
@@ -219,11 +219,11 @@ def count_chunk(t: int, block_e: int, num_warps: int) -> int:
     return max(1, min(next_pow2(t), 2048 * num_warps // block_e))
 
 
-#: Tokens per count block of the fused index permute (the mask's, timed as is): benchmarks/sweep_permute_mask.py --rows bf16 --index (docs/benchmarks.md, "Index permute").
+#: Tokens per count block of the fused index permute (the mask's, timed as is): ``python -m benchmarks sweep permute_mask --rows bf16 --index`` (docs/benchmarks.md, "Index permute").
 FUSED_INDEX_BLOCK_T = 16
-#: Warps of the fused index permute kernel (the mask's, timed as is): benchmarks/sweep_permute_mask.py --rows bf16 --index (docs/benchmarks.md, "Index permute").
+#: Warps of the fused index permute kernel (the mask's, timed as is): ``python -m benchmarks sweep permute_mask --rows bf16 --index`` (docs/benchmarks.md, "Index permute").
 FUSED_INDEX_WARPS = 4
-#: Largest E at which the fused index permute beats the sorting map then the scatter: benchmarks/sweep_permute_mask.py --rows bf16 --index (docs/benchmarks.md, "Index permute").
+#: Largest E at which the fused index permute beats the sorting map then the scatter: ``python -m benchmarks sweep permute_mask --rows bf16 --index`` (docs/benchmarks.md, "Index permute").
 FUSED_INDEX_MAX_EXPERTS = 256
 #: Largest K of the fused index permute (the timed configs reach qwen3next's 10; its programs compare their K ids with their block's earlier tokens', a cost growing as K squared).
 FUSED_INDEX_MAX_K = 16
@@ -242,11 +242,11 @@ def fused_index_wins(t: int, k: int, num_experts: int) -> bool:
 
 #: Most chunks of the one-launch chunk sort (its programs hold the C sizes and the order in registers).
 MAX_KERNEL_CHUNKS = 4096
-#: Largest BLOCK_R * BLOCK_C of a chunk-sort tile (its per-row chunk scan): benchmarks/sweep_sort_chunks.py --scales --configs qwen3next (docs/benchmarks.md, "FP8 rows: int32 words, the scan cut, side rows").
+#: Largest BLOCK_R * BLOCK_C of a chunk-sort tile (its per-row chunk scan): ``python -m benchmarks sweep sort_chunks --scales --configs qwen3next`` (docs/benchmarks.md, "FP8 rows: int32 words, the scan cut, side rows").
 MAX_SCAN_ELEMENTS = 4096
-#: Widest chunk-sort row tile whose side rows take tiles of its shape (SIDE_WIDE): benchmarks/sweep_sort_chunks.py --fp8 (docs/benchmarks.md, "FP8 rows: int32 words, the scan cut, side rows").
+#: Widest chunk-sort row tile whose side rows take tiles of its shape (SIDE_WIDE): ``python -m benchmarks sweep sort_chunks --fp8`` (docs/benchmarks.md, "FP8 rows: int32 words, the scan cut, side rows").
 SIDE_WIDE_MAX_COLS = 512
-#: Warps of the chunk sort kernel: benchmarks/sweep_sort_chunks.py (docs/benchmarks.md, "Chunk sort").
+#: Warps of the chunk sort kernel: ``python -m benchmarks sweep sort_chunks`` (docs/benchmarks.md, "Chunk sort").
 SORT_CHUNKS_WARPS = 4
 
 
@@ -259,10 +259,10 @@ def sort_chunks_tile(t: int, width: int, itemsize: int, chunks: int, words: bool
 
     ~16 KiB of rows a tile (``block_h`` columns, up to 16 KiB of one row, as
     ``gather_tile``), one tile a program (``steps``); chosen by
-    ``benchmarks/sweep_sort_chunks.py`` on the H200 (docs/benchmarks.md, "Chunk sort"):
+    ``python -m benchmarks sweep sort_chunks`` on the H200 (docs/benchmarks.md, "Chunk sort"):
     within 3 points of the best of 16 tilings at dsv3, qwen3, qwen3next, mixtral and
     gptoss. Words (byte rows moved as int32) take 4 tiles a program where the chunk scan is
-    long against the tile's rows (``BLOCK_C >= 64 * BLOCK_R``); ``sweep_sort_chunks.py
+    long against the tile's rows (``BLOCK_C >= 64 * BLOCK_R``); ``sweep sort_chunks
     --fp8`` (docs/benchmarks.md, "FP8 rows: int32 words, the scan cut, side rows"), % of
     copy, 4 tiles against 1: qwen3next blockwise 66.8 vs 49.2, dsv3 within 1.3 points.
     ``max_scan`` (default ``MAX_SCAN_ELEMENTS``) cuts the tiles' rows so a program's
@@ -286,24 +286,24 @@ def sort_chunks_tile(t: int, width: int, itemsize: int, chunks: int, words: bool
 
 # -------------------------------------------------------------- fused quantize+permute
 
-#: Routes a step (KB) of the fused quantize-permute kernels: benchmarks/sweep_permute.py (docs/benchmarks.md, "Scatter tiles").
+#: Routes a step (KB) of the fused quantize-permute kernels: ``python -m benchmarks sweep permute`` (docs/benchmarks.md, "Scatter tiles").
 QUANT_PERMUTE_KB = 4
-#: Warps of the fused quantize-permute kernels: benchmarks/sweep_permute.py (docs/benchmarks.md, "Column steps and tiles (`_consts`)").
+#: Warps of the fused quantize-permute kernels: ``python -m benchmarks sweep permute`` (docs/benchmarks.md, "Column steps and tiles (`_consts`)").
 QUANT_PERMUTE_WARPS = 4
-#: Row elements a step of the map-building fused quantize-permute, at every H: benchmarks/sweep_permute_mask.py --rows "" --quant-tiles 1024,4096 --quant-steps 1,0 (docs/benchmarks.md, "Column steps and tiles (`_consts`)").
+#: Row elements a step of the map-building fused quantize-permute, at every H: ``python -m benchmarks sweep permute_mask --rows "" --quant-tiles 1024,4096 --quant-steps 1,0`` (docs/benchmarks.md, "Column steps and tiles (`_consts`)").
 MASK_QUANT_TILE = 4096
-#: Steps a program of that kernel, 0 for the whole row: benchmarks/sweep_permute_mask.py --rows "" --quant-tiles 1024,4096 --quant-steps 1,0 (docs/benchmarks.md, "Column steps and tiles (`_consts`)").
+#: Steps a program of that kernel, 0 for the whole row: ``python -m benchmarks sweep permute_mask --rows "" --quant-tiles 1024,4096 --quant-steps 1,0`` (docs/benchmarks.md, "Column steps and tiles (`_consts`)").
 MASK_QUANT_STEPS = 0
-#: N / T from which a mask's fused quantize-permute builds its map in its own launch: benchmarks/sweep_permute_mask.py --reg-routes 0,1 --quant-tiles 1024,4096 (docs/benchmarks.md, "Routes from registers; the map in the quantize launch").
+#: N / T from which a mask's fused quantize-permute builds its map in its own launch: ``python -m benchmarks sweep permute_mask --reg-routes 0,1 --quant-tiles 1024,4096`` (docs/benchmarks.md, "Routes from registers; the map in the quantize launch").
 MASK_MAP_MIN_ROWS_PER_TOKEN = 6
 
 
 def quantize_permute_columns(h: int, tile: int | None, steps: int | None) -> tuple[int, int]:
     """``(tile, steps)`` of the map-reading fused quantize-permute kernel where not given:
-    ``tile`` row elements a step (``sweep_permute.py``: 4096 at H >= 4096, else 1024),
+    ``tile`` row elements a step (``sweep permute``: 4096 at H >= 4096, else 1024),
     ``steps`` steps a program (0: the whole row, so a token's map row is read once; by
     default the whole row at H < 4096, else one step). Chosen by
-    ``benchmarks/sweep_permute_mask.py --rows "" --quant-tiles 1024,4096 --quant-steps 1,0``
+    ``python -m benchmarks sweep permute_mask --rows "" --quant-tiles 1024,4096 --quant-steps 1,0``
     (docs/benchmarks.md, "Column steps and tiles (`_consts`)"): the whole row, except the
     map-reading kernel at H >= 4096, where one step a program is faster (H100, dsv3: 78.3
     vs 76.9% of copy)."""

@@ -16,7 +16,7 @@ def quantize_rows_tile(block_size: int, nb: int) -> tuple[int, int, int]:
     """``(BLOCK_R, GROUPS, num_warps)`` of ``quantize_rows_kernel`` over rows of ``nb``
     blocks of ``block_size``: GROUPS blocks a program (up to 512 columns, at most
     ``next_pow2(nb)``) of BLOCK_R rows (about 4096 elements), 4 warps.
-    ``benchmarks/sweep_quantize.py`` sweeps it (docs/benchmarks.md, "Quantize
-    (`benchmarks/bench_quantize.py`)")."""
+    ``python -m benchmarks sweep quantize`` sweeps it (docs/benchmarks.md, "Quantize
+    (`bench quantize`)")."""
     groups = max(1, min(512 // block_size, next_pow2(nb)))
     return max(1, 4096 // (groups * block_size)), groups, 4
