@@ -45,22 +45,14 @@ def is_compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
-def _raise_at_trace_time(cls: type, msg: str) -> bool:
-    """Run by Dynamo at trace time (marked constant below): under ``fullgraph=True`` (or
-    strict export) raise ``cls(msg)`` from there, which Dynamo reports as
-    ``InternalTorchDynamoError: <cls>: <msg>`` with ours as its cause, where an exception
-    raised in traced code reads ``Unsupported: Observed exception`` and shows ours only
-    in its debug context. Otherwise (graph breaks allowed) return, and the caller's plain
-    ``raise`` propagates as it is."""
-    try:
-        from torch._dynamo.symbolic_convert import InstructionTranslator
-
-        tx = InstructionTranslator.current_tx()
-    except Exception:  # not inside a Dynamo trace, or another torch's internals
-        return False
-    if getattr(tx, "one_graph", False) or getattr(tx, "error_on_graph_break", False):
-        raise cls(msg)
-    return False
+def _raise_at_trace_time(cls: type, msg: str) -> None:
+    """Run by Dynamo at trace time (marked constant below): raise ``cls(msg)`` from there,
+    which Dynamo reports as ``InternalTorchDynamoError: <cls>: <msg>``, chained to
+    ours, where an exception raised in traced code reads ``Unsupported: Observed
+    exception`` under ``fullgraph=True`` and shows ours only in its debug context. The
+    same with graph breaks allowed: a raise in traced code after this call returned (a
+    graph break, then a resumed frame) ended in a bare ``AssertionError`` on torch 2.11."""
+    raise cls(msg)
 
 
 # torch._dynamo.assume_constant_result without importing torch._dynamo at import time
@@ -68,9 +60,9 @@ _raise_at_trace_time._dynamo_marked_constant = True
 
 
 def raise_error(exc: Exception):
-    """Raise ``exc`` so that the user reads its message first, eager or compiled: under
-    Dynamo the trace-time raise above, else (eager, non-strict export, or graph breaks
-    allowed) a plain ``raise``."""
+    """Raise ``exc`` so that the user reads its message first, eager or compiled: while
+    Dynamo traces, the trace-time raise above (``fullgraph`` or not); otherwise (eager,
+    non-strict export) a plain ``raise``."""
     if torch.compiler.is_dynamo_compiling():
         _raise_at_trace_time(type(exc), str(exc))
     raise exc

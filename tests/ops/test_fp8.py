@@ -163,11 +163,12 @@ def test_mx_merge_of_tiny_blocks(request, path, fp8):
     """The FP8 merge of MX rows whose blocks lie below the OCP exponent -126 (byte 1) or
     are all zero (byte 0, read as 2**-127): each token's two halves add up to it exactly.
     ``op``: ``moe_unpermute`` on this machine's path (CPU: the C++ kernels when built);
-    ``torch`` / ``triton``: the merge launcher on the torch path / the Triton kernel."""
+    ``torch`` / ``triton``: the merge launcher on the torch path (the CPU fallback: CPU
+    tensors) / the Triton kernel."""
     from qmoe.ops import backend as B
     from qmoe.ops.fp8 import _bits, _layout
 
-    dev = request.getfixturevalue("kdevice") if path == "triton" else DEV
+    dev = {"triton": request.getfixturevalue("kdevice"), "torch": "cpu"}.get(path, DEV)
     x, _ = tiny_mx_blocks(fp8)
     t = x.shape[0]
     _, mask = routing(t, 4, 2, "random", dev)
