@@ -190,8 +190,8 @@ def test_bad_input_under_compile(fullgraph):
     """Bad input under torch.compile raises with qmoe's message: the checks in the public
     functions as Dynamo's error whose first line is qmoe's message, chained to
     qmoe's ValueError/TypeError, with or without fullgraph (``user_errors``); a refusal
-    of the subclass dispatch (mixed recipes) as Dynamo's TorchRuntimeError quoting it; value checks on data when
-    the graph runs."""
+    of the subclass dispatch (mixed recipes) as Dynamo's TorchRuntimeError quoting it;
+    value checks on data when the graph runs."""
     t, h, e = 8, 128, 4
     ids, mask = routing(t, e, 2, "random", DEV)
     x = torch.randn(t, h, device=DEV)
