@@ -161,7 +161,7 @@ def _permute(fn, inp, probs, routing_map, map_type, num_out_tokens, num_experts,
     # Only the probs of kept routes matter: the CUDA kernels check those as they move them
     # (assert_probs_not_nan, a device assert); elsewhere the permuted probs are checked.
     C.check_probs(fn, "probs", probs, inp.shape[0], routing_map.shape[1], inp,
-                  "E" if map_type == "mask" else "K", nan=False)
+                  "E" if map_type == "mask" else "K")
     out, pp, rid = _run_permute(inp, probs, routing_map, map_type, n, num_experts, quantize,
                                 quantize_scale, align_size, fn)
     if probs is not None and not inp.is_cuda:
