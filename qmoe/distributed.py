@@ -46,12 +46,6 @@ _c10d = torch.ops._c10d_functional  # functional collectives (traced by torch.co
 
 
 # ----------------------------------------------------------------- all-to-all
-def _a2a_plain(x: torch.Tensor, out_splits, in_splits, group) -> torch.Tensor:
-    out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-    return out
-
-
 def _a2a_functional(t: torch.Tensor, out_splits, in_splits, group_name: str) -> torch.Tensor:
     """All-to-all of rows through the functional collectives (the ops Dynamo turns
     ``dist.all_to_all_single`` into): traced under ``torch.compile``, run in eager."""
@@ -113,32 +107,15 @@ def _a2a_quantized(func, args, kwargs):
     return x._rewrap(bits.view(x.fp8_dtype), s_max)
 
 
-class _AllToAll(torch.autograd.Function):
-    """All-to-all of plain rows (``dist.all_to_all_single``, which Dynamo traces as a
-    functional collective)."""
-
-    @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group):
-        ctx.splits = (out_splits, in_splits, group)
-        return _a2a_plain(x, out_splits, in_splits, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        out_splits, in_splits, group = ctx.splits
-        return _a2a_plain(grad, in_splits, out_splits, group), None, None, None
-
-
 def _all_to_all(x: torch.Tensor, out_splits, in_splits, group) -> torch.Tensor:
-    """Differentiable all-to-all of rows: plain rows through ``_AllToAll``, quantized rows
-    through ``qmoe::all_to_all_rows``. Quantized rows must not meet Python code of their
-    class inside a compiled region: Dynamo sees a quantized tensor made there as a plain
-    tensor variable whose properties (``raw_scale``) and methods it does not run, and an
-    ``autograd.Function`` with a quantized output gets a quantized gradient guess from Dynamo
-    in its backward, where AOTAutograd then passes a plain one."""
-    if isinstance(x, QuantizedTensor):
-        name = (dist.group.WORLD if group is None else group).group_name
-        return torch.ops.qmoe.all_to_all_rows(x, out_splits, in_splits, name)
-    return _AllToAll.apply(x, out_splits, in_splits, group)
+    """Differentiable all-to-all of rows, plain or quantized, through
+    ``qmoe::all_to_all_rows``. Plain rows take the op too: an ``autograd.Function`` around
+    ``dist.all_to_all_single`` loses its input's gradient under ``torch.compile`` on torch
+    2.11 (zero gradient, no error), and quantized rows must not meet Python code of their
+    class inside a compiled region (Dynamo sees a quantized tensor made there as a plain
+    tensor variable whose properties and methods it does not run)."""
+    name = (dist.group.WORLD if group is None else group).group_name
+    return torch.ops.qmoe.all_to_all_rows(x, out_splits, in_splits, name)
 
 
 def _counts_a2a(counts: torch.Tensor, group) -> torch.Tensor:
