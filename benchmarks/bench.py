@@ -23,7 +23,7 @@ from benchmarks.common import (
     median_ms,
     write_json,
 )
-from qmoe.ops.sort_chunks import sort_chunks_triton
+from qmoe.ops.kernels.sort_chunks import sort_chunks_triton
 from qmoe.tensors.quantize import quantize_reference
 
 # --- bench permute ---------------------------------------------------------------------
@@ -42,15 +42,18 @@ def torch_unpermute(y, order, w_flat, t, k):
 
 
 def use_swept_map_tiling(path: str) -> None:
-    """Replace ``map_tiling`` by the best tiling per (T, E) that ``sweep map`` found."""
-    from qmoe.ops import row_id_map as R
+    """Replace the mask-map launcher's ``map_tiling`` (the name
+    ``qmoe.ops.kernels.row_id_map`` reads it by) by the best tiling per (T, E) that
+    ``sweep map`` found."""
+    from qmoe.ops.kernels import row_id_map as K
+    from qmoe.ops.tuning import MapTiling
 
     with open(path) as f:
         swept = json.load(f)["results"]
-    best = {(r["T"], r["E"]): R.MapTiling(*(r["best_map"][f] for f in R.MapTiling._fields))
+    best = {(r["T"], r["E"]): MapTiling(*(r["best_map"][f] for f in MapTiling._fields))
             for r in swept}
-    default = R.map_tiling
-    R.map_tiling = lambda t, e: best.get((t, e)) or default(t, e)
+    default = K.map_tiling
+    K.map_tiling = lambda t, e: best.get((t, e)) or default(t, e)
     print("map tilings:", best, file=sys.stderr)
 
 

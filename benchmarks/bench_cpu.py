@@ -35,7 +35,7 @@ import torch
 import qmoe
 from benchmarks.common import CONFIGS, median_ms
 from qmoe._backends import cpp_loaded
-from qmoe.ops import backend as B
+from qmoe.ops import torch_impl
 from qmoe.ops.row_id_map import _mask_rows
 
 
@@ -66,7 +66,7 @@ def run_config(name: str, bw: float, iters: int, cpp_only: bool = False) -> list
 
     def torch_path_permute():
         r = _mask_rows(mask, n, 1)
-        return B.permute_rows(x, r, n, use_triton=False)
+        return torch_impl.permute_rows(x, r, n)
 
     def plain_unpermute():
         acc = torch.zeros(t, h)
@@ -82,7 +82,7 @@ def run_config(name: str, bw: float, iters: int, cpp_only: bool = False) -> list
         },
         "unpermute(merging_probs)": {
             "c++": lambda: qmoe.moe_unpermute(y, rid, probs),
-            "torch path": lambda: B.unpermute_rows(y, rid, probs, use_triton=False),
+            "torch path": lambda: torch_impl.unpermute_rows(y, rid, probs),
             "plain pytorch": plain_unpermute,
         },
     }

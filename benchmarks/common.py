@@ -134,6 +134,17 @@ def write_json(path: str | None, payload: dict) -> None:
     print(text)
 
 
+def mask_map(mask: torch.Tensor, n: int, tiling=None):
+    """``(row_id_map, fill)`` of a CUDA ``[T, E]`` mask from the Triton map launches alone
+    (``mask_rows_triton``, what ``qmoe::make_row_id_map`` runs on CUDA), ``n`` output rows,
+    no padding; ``tiling``: a ``qmoe.ops.tuning.MaskMapTiling`` (None: the launcher's)."""
+    from qmoe.ops.kernels.row_id_map import mask_rows_triton
+    from qmoe.ops.launch import fill_count
+
+    fill = mask.new_empty((fill_count(mask, False, 1), 2), dtype=torch.int32)
+    return mask_rows_triton(mask, n, 1, fill, tiling), fill
+
+
 def int_list(s: str) -> list[int]:
     """``"1,4,8"`` -> ``[1, 4, 8]`` (a sweep's command-line list)."""
     return [int(v) for v in s.split(",") if v]

@@ -25,12 +25,14 @@ from benchmarks.common import (
     env_info,
     graph_median_ms,
     host_us,
+    mask_map,
     needs_cuda,
     write_json,
 )
-from qmoe.ops.backend import permute_rows
-from qmoe.ops.permute_mask import permute_mask_triton
-from qmoe.ops.row_id_map import _mask_rows_triton, make_row_id_map
+from qmoe.ops.kernels.permute import permute_rows_triton
+from qmoe.ops.kernels.permute_mask import permute_mask_triton
+from qmoe.ops.row_id_map import make_row_id_map
+from qmoe.ops.tuning import MaskMapTiling
 
 # --- profile kernels -------------------------------------------------------------------
 
@@ -154,7 +156,7 @@ def map_main(a) -> None:
         ncu --clock-control none -k regex:'mask_|block_scan' --launch-skip 6 --launch-count 6 \\
             python3 -m benchmarks profile map --configs qwen3next,dsv3
 
-    Each config runs the three mask-map launches (``_mask_rows_triton``, what
+    Each config runs the three mask-map launches (``mask_rows_triton``, what
     ``make_row_id_map(mask)`` calls on CUDA) ``--calls`` times on the bench's routing (K
     random experts a token); nothing is timed here: ncu does the measuring.
     """
@@ -165,7 +167,7 @@ def map_main(a) -> None:
         ids = torch.rand(t, e, device="cuda").argsort(dim=1)[:, :k]
         mask = torch.zeros(t, e, dtype=torch.bool, device="cuda").scatter_(1, ids, True)
         for _ in range(a.calls):
-            _mask_rows_triton(mask, t * k, 1)
+            mask_map(mask, t * k)
         torch.cuda.synchronize()
         print(name, "done", flush=True)
     if a.out:  # what ran, for the profile it goes with (printed nowhere: ncu's output stays)
@@ -246,7 +248,7 @@ def small_main(a) -> None:
     time from a CUDA-graph replay. Then a cProfile of ``moe_permute(mask)`` (top functions by
     own time). Baselines: empty Triton kernels by argument count and kind, ``torch.empty``,
     and the mask map built with three launches and with one
-    (``_mask_rows_triton(..., one_launch=)``).
+    (``mask_rows_triton`` with ``MaskMapTiling(one_launch=...)``).
     """
     if not needs_cuda("profile small"):
         return
@@ -270,8 +272,8 @@ def small_main(a) -> None:
         "... same, ints do_not_specialize": lambda: _empty_ints20_nospec[(1,)](x, *range(20)),
         "torch.empty": lambda: torch.empty(n, h, dtype=x.dtype, device=dev),
         "x.new_empty": lambda: x.new_empty((n, h)),
-        "mask map, three launches": lambda: _mask_rows_triton(mask, n, 1, one_launch=False),
-        "mask map, one launch": lambda: _mask_rows_triton(mask, n, 1, one_launch=True),
+        "mask map, three launches": lambda: mask_map(mask, n, MaskMapTiling(one_launch=False)),
+        "mask map, one launch": lambda: mask_map(mask, n, MaskMapTiling(one_launch=True)),
         "qmoe::make_row_id_map(mask)": lambda: torch.ops.qmoe.make_row_id_map(mask, n, False, 1),
         "qmoe::permute (rows only)": lambda: torch.ops.qmoe.permute(x, rid, None, n),
         "moe_permute(mask)": lambda: qmoe.moe_permute(x, mask, n),
@@ -335,10 +337,10 @@ def ncu_main(a) -> None:
     so = torch.empty(n, side.shape[1], device="cuda")
     for _ in range(2):  # warm-up (compiles), then the profiled launches
         permute_mask_triton(x, mask, n, 1, side=side)
-        permute_rows(x, rid, n, fill=fill, side=side, side_out=so)
+        permute_rows_triton(x, rid, n, fill=fill, side=side, side_out=so)
     torch.cuda.synchronize()
     permute_mask_triton(x, mask, n, 1, side=side)
-    permute_rows(x, rid, n, fill=fill, side=side, side_out=so)
+    permute_rows_triton(x, rid, n, fill=fill, side=side, side_out=so)
     torch.cuda.synchronize()
     print("done")
     if a.out:

@@ -23,40 +23,41 @@ from benchmarks.common import (
     env_info,
     graph_median_ms,
     int_list,
+    mask_map,
     needs_cuda,
     variant_recorder,
     write_json,
 )
-from qmoe.ops._kernels.permute import (
+from qmoe.ops.kernels.permute import permute_rows_triton, permute_scatter_kernel, zero_rows_kernel
+from qmoe.ops.kernels.permute_index import permute_index_triton
+from qmoe.ops.kernels.permute_mask import permute_mask_triton
+from qmoe.ops.kernels.quantize_permute import quantize_permute_mask_triton, quantize_permute_triton
+from qmoe.ops.kernels.sort_chunks import gather_rows_triton, sort_chunks_triton
+from qmoe.ops.kernels.unpermute import (
     _checked_row,
     _merge_add,
     _route,
     check_routes,
-    permute_scatter_kernel,
+    merge_backward_triton,
     unpermute_fp8_kernel,
     unpermute_gather_kernel,
-    zero_rows_kernel,
 )
-from qmoe.ops.backend import (
-    assert_options,
-    gather_rows,
-    merge_weight_grad,
-    permute_rows,
+from qmoe.ops.launch import assert_options, num_slots
+from qmoe.ops.row_id_map import make_row_id_map
+from qmoe.ops.sort_chunks import chunk_source_rows
+from qmoe.ops.torch_impl import merge_weight_grad
+from qmoe.ops.tuning import (
+    FusedMaskTiling,
+    MaskMapTiling,
+    MergeBackwardTiling,
+    PermuteIndexTiling,
+    QuantizePermuteTiling,
+    SortChunksTiling,
+    map_tiling,
     scatter_tile,
 )
-from qmoe.ops.permute_index import permute_index_triton
-from qmoe.ops.permute_mask import fused_map_tiling, permute_mask_triton
-from qmoe.ops.quantize_permute import quantize_permute_mask_triton, quantize_permute_triton
-from qmoe.ops.row_id_map import (
-    MapTiling,
-    _mask_rows_triton,
-    make_row_id_map,
-    map_tiling,
-    num_slots,
-)
-from qmoe.ops.sort_chunks import chunk_source_rows, sort_chunks_triton
-from qmoe.ops.unpermute import merge_backward_triton
-from qmoe.tensors.quantize import quantize_rows_triton
+from qmoe.tensors.kernels.quantize import quantize_rows_triton
+from qmoe.tensors.layouts import FP8_BLOCK_FP32
 
 # --- sweep map -------------------------------------------------------------------------
 
@@ -96,14 +97,16 @@ def map_config(name: str, breakdown: bool = True, block_ts=(8, 16, 32),
         named = {"default": nw0, "row": max(1, triton.next_power_of_2(e) // 32)}
         warps = {named[w] if w in named else int(w) for w in warps_spec.split(",")}
     warps = sorted(warps)
-    # tokens per block x warps x rows loaded ahead (2, or the whole block)
-    tilings = dict.fromkeys(MapTiling(bt, nw, min(ahead, bt))
-                            for bt, nw, ahead in itertools.product(block_ts, warps, aheads))
-    for tiling, pdl in itertools.product(tilings, pdls):
-        ms = graph_median_ms(lambda tiling=tiling, pdl=pdl: _mask_rows_triton(
-            mask, n, 1, tiling, pdl=pdl), rep=60)
-        out["map"].append({**tiling._asdict(), "pdl": pdl, "ms": round(ms, 4)})
-        print(f"{name} map {tiling} pdl={pdl}: {ms:.4f} ms", file=sys.stderr)
+    # tokens per block x warps x rows loaded ahead (2, or the whole block) x PDL (auto: the
+    # launcher's, off)
+    tilings = dict.fromkeys(
+        MaskMapTiling(block_t=bt, num_warps=nw, prefetch=min(ahead, bt), pdl=bool(pdl))
+        for bt, nw, ahead, pdl in itertools.product(block_ts, warps, aheads, pdls))
+    for tiling in tilings:
+        ms = graph_median_ms(lambda tiling=tiling: mask_map(mask, n, tiling), rep=60)
+        out["map"].append({"block_t": tiling.block_t, "num_warps": tiling.num_warps,
+                           "prefetch": tiling.prefetch, "pdl": tiling.pdl, "ms": round(ms, 4)})
+        print(f"{name} map {tiling}: {ms:.4f} ms", file=sys.stderr)
     out["best_map"] = min(out["map"], key=lambda r: r["ms"])
     out["default_map"] = {**map_tiling(t, e)._asdict()}
     _, rid = qmoe.moe_permute(x, mask, n)
@@ -132,7 +135,7 @@ def map_args(p) -> None:
                    help="'auto' (half, map_tiling's, twice) or a list of ints, 'default' "
                         "(map_tiling's) and 'row' (one expert a thread: next_pow2(E) / 32)")
     p.add_argument("--pdl", default="auto", help="comma list of auto/0/1: the scan and the "
-                   "map pass as programmatic dependent launches (auto: Hopper or newer)")
+                   "map pass as programmatic dependent launches (auto: the launcher's, off)")
 
 
 def map_main(a) -> None:
@@ -140,11 +143,12 @@ def map_main(a) -> None:
 
         python -m benchmarks sweep map [--out results.json] [--configs dsv3,qwen3next]
 
-    1. ``make_row_id_map(mask)`` (three launches) for each ``MapTiling``: tokens per block
-       (``--block-t``, 8 to 32 by default: one row of counts per block) x warps
-       (``--warps``: half, the default, twice) x rows the map pass loads ahead
-       (``--prefetch``, 2 or all), replayed from a CUDA graph (median ms); the best goes in
-       ``best_map`` (``bench permute --map-tiling`` reads it).
+    1. ``make_row_id_map(mask)``'s launches (``mask_rows_triton``) for each
+       ``MaskMapTiling``: tokens per block (``--block-t``, 8 to 32 by default: one row of
+       counts per block) x warps (``--warps``: half, the default, twice) x rows the map pass
+       loads ahead (``--prefetch``, 2 or all) x PDL (``--pdl``), replayed from a CUDA graph
+       (median ms); the best goes in ``best_map`` (``bench permute --map-tiling`` reads
+       it).
     2. A kernel-level breakdown (``torch.profiler``, CUDA time per call, averaged over 20
        calls) of: bf16 ``moe_permute`` end to end, the FP8 (blockwise) permute, the fused
        MXFP8 quantize-and-permute and the merge with probs, so the gap between a whole op and
@@ -226,10 +230,10 @@ def permute_config(name: str, copy_bw: float) -> list[dict]:
     for tile in (1024, 2048, 4096):
         for nw in (4, 8):
             for kb in (4, 8):
-                record("quantize_permute_mxfp8", lambda tile=tile, nw=nw, kb=kb:
+                til = QuantizePermuteTiling(tile=tile, kb=kb, num_warps=nw)
+                record("quantize_permute_mxfp8", lambda til=til:
                        quantize_permute_triton(x, rid, None, n, 32, torch.float8_e4m3fn,
-                                               "mx_floor", None, tile=tile, kb=kb,
-                                               num_warps=nw), qbytes,
+                                               "mx_floor", None, tiling=til), qbytes,
                        tile=tile, num_warps=nw, KB=kb)
     return rows
 
@@ -314,7 +318,7 @@ def chained(fn, inputs):
 
 def two_step(x, mask, n, side=None, side_out=None):
     rid, fill = make_row_id_map(mask, n, False, 1)
-    return permute_rows(x, rid, n, fill=fill, side=side, side_out=side_out), rid
+    return permute_rows_triton(x, rid, n, fill=fill, side=side, side_out=side_out), rid
 
 
 def permute_mask_config(name: str, copy_bw: float, block_ts, warps, tokens=(1,), quant_tiles=(),
@@ -343,7 +347,6 @@ def permute_mask_rows(name, dname, mask, copy_bw, block_ts, warps, tokens, reg_r
     ``permute_index_triton``; their bytes count the ids and the ``[T, 2K+1]`` map."""
     t, h, e, k = CONFIGS[name]
     n = t * k
-    default = fused_map_tiling(t, e)
     nb = -(-h // 128)
     rows = []
     inputs = [(torch.randn(t, h, dtype=torch.bfloat16, device="cuda"), None)
@@ -357,8 +360,8 @@ def permute_mask_rows(name, dname, mask, copy_bw, block_ts, warps, tokens, reg_r
     so = torch.empty(n, nb, device="cuda") if side is not None else None
     cases = {
         "two-step": lambda x, side: two_step(x, mask, n, side, so),
-        "scatter alone": lambda x, side: permute_rows(x, rid, n, fill=fill, side=side,
-                                                      side_out=so),
+        "scatter alone": lambda x, side: permute_rows_triton(x, rid, n, fill=fill, side=side,
+                                                             side_out=so),
         "fused default": lambda x, side: permute_mask_triton(x, mask, n, 1, side=side),
     }
     for bt in block_ts:
@@ -366,13 +369,12 @@ def permute_mask_rows(name, dname, mask, copy_bw, block_ts, warps, tokens, reg_r
             for tp in tokens:
                 for rr in reg_routes:
                     for bh, pdl in itertools.product(block_hs or (None,), pdls):
-                        til = MapTiling(bt, default.num_warps, default.prefetch)
+                        til = FusedMaskTiling(block_t=bt, num_warps=nw, tokens=tp,
+                                              reg_routes=rr, block_h=bh, pdl=pdl)
                         case = f"fused bt={bt} warps={nw} tokens={tp} reg={rr} bh={bh}"
                         cases[case + f" pdl={pdl}"] = (
-                            lambda x, side, til=til, nw=nw, tp=tp, rr=rr, bh=bh, pdl=pdl:
-                            permute_mask_triton(x, mask, n, 1, side=side, tiling=til,
-                                                num_warps=nw, tokens=tp, reg_routes=rr,
-                                                block_h=bh, pdl=pdl))
+                            lambda x, side, til=til: permute_mask_triton(
+                                x, mask, n, 1, side=side, tiling=til))
     if ceiling:
         out = x.new_empty(n, h)
         seq = torch.arange(n, device="cuda").view(t, k)
@@ -392,7 +394,8 @@ def permute_mask_rows(name, dname, mask, copy_bw, block_ts, warps, tokens, reg_r
             x, ids, n, side, so)
         for pdl in pdls:
             cases[f"index: fused pdl={pdl}"] = (
-                lambda x, side, pdl=pdl: permute_index_triton(x, ids, n, e, side=side, pdl=pdl))
+                lambda x, side, pdl=pdl: permute_index_triton(
+                    x, ids, n, e, side=side, tiling=PermuteIndexTiling(pdl=pdl)))
         case_bytes = {c: ibytes for c in cases if c.startswith("index:")}
     for case, fn in cases.items():
         ms = graph_median_ms(chained(fn, inputs)) / chain
@@ -406,16 +409,16 @@ def permute_mask_rows(name, dname, mask, copy_bw, block_ts, warps, tokens, reg_r
 
 def index_two_step(x, ids, n, side=None, side_out=None):
     rid, fill = make_row_id_map(ids, n, True, 1)
-    return permute_rows(x, rid, n, fill=fill, side=side, side_out=side_out)
+    return permute_rows_triton(x, rid, n, fill=fill, side=side, side_out=side_out)
 
 
 def rid_bytes(mask) -> int:
     return mask.shape[0] * (2 * mask.shape[1] + 1) * 4
 
 
-def map_then_quantize(xb, mask, n, args, **tiling):
+def map_then_quantize(xb, mask, n, args, tiling=None):
     rid, fill = make_row_id_map(mask, n, False, 1)
-    return quantize_permute_triton(xb, rid, None, n, *args, fill, **tiling)
+    return quantize_permute_triton(xb, rid, None, n, *args, fill, tiling)
 
 
 def quantize_cases(name, mask, n, copy_bw, tiles, warps, reg_routes,
@@ -423,7 +426,8 @@ def quantize_cases(name, mask, n, copy_bw, tiles, warps, reg_routes,
     """The fused blockwise quantize-permute of a mask: the map built first, then the
     map-reading kernel (the ops' path for N < 6T), against the kernel that builds the map
     rows itself (N >= 6T), each per row tile (elements a step) x steps a program (0: the
-    whole row) x warps, and both kernels at their default tiling. ``block`` 128: blockwise
+    whole row) x warps (``QuantizePermuteTiling``), and both kernels at their default
+    tiling. ``block`` 128: blockwise
     (fp32 scales), 32: MXFP8 (e8m0 scales). Bytes: bf16 rows in, fp8 rows and their scales out.
     ``ceiling``: also those bytes with no map and no quantizing: a same-bytes copy, and each
     bf16 row written K times as bytes (its scale row beside it) to rows in a random order."""
@@ -447,15 +451,16 @@ def quantize_cases(name, mask, n, copy_bw, tiles, warps, reg_routes,
         cases["ceiling: K copies to random rows, bf16 in, bytes out"] = (
             lambda: broadcast(xb, rnd, out, side, so))
     for tile, st, nw in itertools.product(tiles, steps, warps):
+        til = QuantizePermuteTiling(tile=tile, steps=st, num_warps=nw)
         cases[f"quantize: map then fused tile={tile} steps={st} warps={nw}"] = (
-            lambda tile=tile, st=st, nw=nw: map_then_quantize(xb, mask, n, args, tile=tile,
-                                                              steps=st, num_warps=nw))
+            lambda til=til: map_then_quantize(xb, mask, n, args, til))
         for rr, pdl in itertools.product(reg_routes, pdls):
+            mtil = QuantizePermuteTiling(tile=tile, steps=st, num_warps=nw, reg_routes=rr,
+                                         pdl=pdl)
             cases[f"quantize: mask fused tile={tile} steps={st} warps={nw} reg={rr} "
                   f"pdl={pdl}"] = (
-                lambda tile=tile, st=st, nw=nw, rr=rr, pdl=pdl: quantize_permute_mask_triton(
-                    xb, mask, n, 1, None, *args, tile=tile, steps=st, num_warps=nw,
-                    reg_routes=rr, pdl=pdl))
+                lambda mtil=mtil: quantize_permute_mask_triton(xb, mask, n, 1, None, *args,
+                                                               tiling=mtil))
     rows = []
     for case, fn in cases.items():
         ms = graph_median_ms(fn)
@@ -513,8 +518,9 @@ def permute_mask_main(a) -> None:
         python -m benchmarks sweep permute_mask [--out results.json] [--configs dsv3,qwen3next]
 
     For each config: ``qmoe::permute_mask``'s kernels (counts, scan, fused map + scatter)
-    replayed from a CUDA graph (median ms) for each count block (``--block-t``) x warps of
-    the fused kernel (``--warps``) x tokens per program (``--tokens``), bf16 rows and FP8
+    replayed from a CUDA graph (median ms) for each ``FusedMaskTiling``: count block
+    (``--block-t``) x warps of the fused kernel (``--warps``) x tokens per program
+    (``--tokens``) x ``--reg-routes`` x ``--block-h`` x ``--pdl``, bf16 rows and FP8
     (uint8) rows; next to them the two-step path (``make_row_id_map`` then the scatter) and
     the scatter alone on a prebuilt map, measured in the same run. % is of the measured copy
     bandwidth, bytes as in ``bench permute``.
@@ -673,7 +679,8 @@ def _sweep_fp8(name, t, h, n, y, back, rid, probs, s, record, quick):
                 record("unpermute_fp8 blockwise", lambda bh=bh, nw=nw, ev=ev:
                        unpermute_fp8_kernel[(t, triton.cdiv(h, bh))](
                            qbits, qs, back, rid, probs, h, s, n, qs.shape[1],
-                           probs.stride(0), probs.shape[1], LAYOUT=1, BS=128, MB=3, BIAS=7,
+                           probs.stride(0), probs.shape[1], LAYOUT=FP8_BLOCK_FP32, BS=128,
+                           MB=3, BIAS=7,
                            HW_CAST=True, HAS_W=True, BLOCK_H=bh, EVICT=ev, num_warps=nw,
                            **assert_options()),
                        nbytes=fbytes, BLOCK_H=bh, num_warps=nw, evict=ev)
@@ -722,7 +729,7 @@ def gather_config(name: str, copy_bw: float, more: bool = False,
               {"PAIRS": True})]
     cases += [(f"gather_r R={r} evict_first", gather_r_kernel, "evict_first", small, {"R": r})
               for r in (2, 4)]
-    if quick:  # the small evict-first tiles, among them the launchers' (backend.merge_tile)
+    if quick:  # the small evict-first tiles, among them the launcher's (tuning.merge_tile)
         cases = [c for c in cases if c[3] is small]
     if not weighted:  # the merge kernel (two routes a step) against one route a step
         one = ((h, (max(1, min(8, h // 512)),)),) if h & (h - 1) == 0 and h <= 4096 else ()
@@ -813,16 +820,16 @@ def merge_backward_config(name, copy_bw, kbs, bhs, warps) -> list[dict]:
     rows = []
     record = variant_recorder(rows, name, nbytes, copy_bw, 36)
 
-    ref_gi, ref_gw = permute_rows(g, rid, n, probs), merge_weight_grad(g, y, rid, e)
+    ref_gi, ref_gw = permute_rows_triton(g, rid, n, probs), merge_weight_grad(g, y, rid, e)
     for kb in kbs:
         for bh in bhs:
             for nw in warps:
-                kw = dict(kb=kb, block_h=bh, num_warps=nw)
-                gi, gw = merge_backward_triton(g, y, rid, probs, **kw)
-                assert torch.equal(gi, ref_gi), (name, kw)
+                til = MergeBackwardTiling(kb=kb, block_h=bh, num_warps=nw)
+                gi, gw = merge_backward_triton(g, y, rid, probs, til)
+                assert torch.equal(gi, ref_gi), (name, til)
                 torch.testing.assert_close(gw, ref_gw, rtol=1e-5, atol=1e-3)
                 record(f"one pass kb {kb} bh {bh} warps {nw}",
-                       lambda kw=kw: merge_backward_triton(g, y, rid, probs, **kw))
+                       lambda til=til: merge_backward_triton(g, y, rid, probs, til))
     record("one pass, merge_backward_tile's tiling",
            lambda: merge_backward_triton(g, y, rid, probs))
     return rows
@@ -839,7 +846,8 @@ def merge_backward_args(p) -> None:
 
 def merge_backward_main(a) -> None:
     """Sweep the weighted merge's backward in one pass (``merge_backward_triton``: routes a
-    step x columns a tile x warps), the tilings ``backend.merge_backward_tile`` chooses from.
+    step x columns a tile x warps: ``MergeBackwardTiling``), the tilings
+    ``tuning.merge_backward_tile`` chooses from.
     CUDA-graph medians, % of copy bandwidth. Results, with the two-kernel form as a reference
     (a weighted scatter of the gradient, then a weight-gradient kernel into a zeroed fp32
     [T, P], then a cast): docs/benchmarks.md, "Merge backward (`merge_backward_tile`)".
@@ -849,7 +857,7 @@ def merge_backward_main(a) -> None:
 
     Bytes as ``bench permute``'s "unpermute backward(probs)": T gradient rows and N input
     rows read, N rows written. Each variant's grad_inp is checked bit-exact against the
-    weighted scatter's (``permute_rows``), and its weights' gradient against fp32 torch dot
+    weighted scatter's (``permute_rows_triton``), and its weights' gradient against fp32 torch dot
     products, before it is timed.
     """
     if not needs_cuda("sweep merge_backward"):
@@ -891,7 +899,7 @@ def quantize_main(a) -> None:
                         tile = (block_r, groups, nw)
                         ms = graph_median_ms(
                             lambda tile=tile, x=x, mode=mode, bs=bs: quantize_rows_triton(
-                                x, bs, torch.float8_e4m3fn, mode, tile=tile))
+                                x, bs, torch.float8_e4m3fn, mode, tiling=tile))
                         pct = 100 * nbytes / (ms * 1e-3) / 1e9 / copy_bw
                         rows.append({"T": t, "H": h, "mode": mode, "tile": tile,
                                      "ms": round(ms, 4), "pct_copy_bw": round(pct, 1)})
@@ -919,28 +927,27 @@ def sort_chunks_config(name, copy_bw, block_hs, steps_list, warps, random_sizes)
         sizes = torch.full((e,), n // e, device="cuda")
     order = torch.randperm(e, device="cuda")
     nbytes = 2 * n * h * 2
-    ref = gather_rows(y, chunk_source_rows(sizes, order, n))
+    ref = gather_rows_triton(y, chunk_source_rows(sizes, order, n))
     rows = []
     record = variant_recorder(rows, name, nbytes, copy_bw, 40)
 
     record("op path (source rows + gather)",
-           lambda: gather_rows(y, chunk_source_rows(sizes, order, n)))
+           lambda: gather_rows_triton(y, chunk_source_rows(sizes, order, n)))
     out = torch.empty_like(y)
     for bh in block_hs:
         for st in steps_list:
             for nw in warps:
-                kw = dict(block_h=bh, steps=st, num_warps=nw, out=out)
-                got, _ = sort_chunks_triton(y, sizes, order, **kw)
+                til = SortChunksTiling(block_h=bh, steps=st, num_warps=nw)
+                got, _ = sort_chunks_triton(y, sizes, order, tiling=til, out=out)
                 assert torch.equal(got, ref), (name, bh, st, nw)
                 back, _ = sort_chunks_triton(got, sizes, order, inverse=True, check=False,
-                                             block_h=bh, steps=st, num_warps=nw)
+                                             tiling=til)
                 assert torch.equal(back, y), (name, bh, st, nw, "inverse")
                 record(f"bh {bh} steps {st} warps {nw}",
-                       lambda kw=kw: sort_chunks_triton(y, sizes, order, **kw))
+                       lambda til=til: sort_chunks_triton(y, sizes, order, tiling=til, out=out))
                 record(f"  inverse bh {bh} steps {st} warps {nw}",
-                       lambda bh=bh, st=st, nw=nw: sort_chunks_triton(
-                           ref, sizes, order, inverse=True, check=False, block_h=bh,
-                           steps=st, num_warps=nw, out=out))
+                       lambda til=til: sort_chunks_triton(
+                           ref, sizes, order, inverse=True, check=False, tiling=til, out=out))
     record("launcher's default tiling", lambda: sort_chunks_triton(y, sizes, order, out=out))
     return rows
 
@@ -962,12 +969,12 @@ def sort_chunks_scales(name, copy_bw) -> list[dict]:
         sc = qmoe.quantize(y, recipe).raw_scale
         nbytes = 2 * sc.numel() * sc.element_size()
         record = variant_recorder(rows, name, nbytes, copy_bw, 40)
-        ref = gather_rows(sc, chunk_source_rows(sizes, order, n))
-        record(f"{rname} scales: gather path", lambda sc=sc: gather_rows(
+        ref = gather_rows_triton(sc, chunk_source_rows(sizes, order, n))
+        record(f"{rname} scales: gather path", lambda sc=sc: gather_rows_triton(
             sc, chunk_source_rows(sizes, order, n)))
         out = torch.empty_like(sc)
         for words, max_scan in ((False, 1 << 30), (True, 1 << 30), (False, None), (True, None)):
-            kw = dict(words=words, max_scan=max_scan, out=out)
+            kw = dict(tiling=SortChunksTiling(words=words, max_scan=max_scan), out=out)
             assert torch.equal(sort_chunks_triton(sc, sizes, order, **kw)[0], ref)
             label = ("words" if words else "bytes") + (", cut" if max_scan is None else "")
             record(f"{rname} scales: kernel, {label}",
@@ -999,10 +1006,10 @@ def sort_chunks_fp8(name, copy_bw, steps_list) -> list[dict]:
         sc = q.raw_scale if q.raw_scale.dim() == 2 else None
         nbytes = 2 * (bits.numel() + (sc.numel() * sc.element_size() if sc is not None else 0))
         record = variant_recorder(rows, name, nbytes, copy_bw, 40)
-        ref = gather_rows(bits, src)
+        ref = gather_rows_triton(bits, src)
         out = torch.empty_like(bits)
         if sc is not None:
-            ref_s = gather_rows(sc, src)
+            ref_s = gather_rows_triton(sc, src)
             so = torch.empty_like(sc)
             record(f"{rname}: two launches", lambda bits=bits, sc=sc, out=out, so=so: (
                 sort_chunks_triton(bits, sizes, order, out=out),
@@ -1019,9 +1026,9 @@ def sort_chunks_fp8(name, copy_bw, steps_list) -> list[dict]:
             variants += [(True, None, wide, sw) for wide in (False, True, None)
                          for sw in (False, True)]
         for words, st, wide, sw in variants:
-            kw = dict(words=words, steps=st, side_wide=wide, out=out)
-            if sw is not None:
-                kw.update(side_words=sw)
+            til = SortChunksTiling(steps=st, words=words, side_wide=wide,
+                                   side_words=True if sw is None else sw)
+            kw = dict(tiling=til, out=out)
             if sc is not None:
                 so.fill_(float("nan") if so.is_floating_point() else 0xFF)
                 kw.update(side=sc, side_out=so)
@@ -1061,8 +1068,9 @@ def sort_chunks_args(p) -> None:
 
 def sort_chunks_main(a) -> None:
     """Sweep the one-launch chunk sort (``sort_chunks_triton``): columns a tile x row tiles a
-    program x warps, forward and inverse (the backward), next to the op's gather path
-    (``chunk_source_rows`` + ``gather_rows``). CUDA-graph medians, % of copy bandwidth.
+    program x warps (``SortChunksTiling``), forward and inverse (the backward), next to the
+    op's gather path (``chunk_source_rows`` + ``gather_rows_triton``). CUDA-graph medians, %
+    of copy bandwidth.
 
         python -m benchmarks sweep sort_chunks [--out F] [--configs dsv3,qwen3]
             [--block-h 1024,4096,8192] [--steps 1,4] [--warps 4,8] [--random-sizes]

@@ -25,18 +25,35 @@ _LIB = torch.library.Library("qmoe", "DEF")
 
 
 class Op:
-    def __init__(self, name: str) -> None:
+    """A defined ``qmoe::`` op: ``fn`` is its default kernel (the torch path), which a CUDA
+    kernel may call for the cases it leaves to torch."""
+
+    def __init__(self, name: str, fn: Callable) -> None:
         self.name = name
         self.qualname = f"qmoe::{name}"
+        self.fn = fn
 
     def register_fake(self, fn: Callable) -> Callable:
         torch.library.register_fake(self.qualname, fn, lib=_LIB)
+        return fn
+
+    def register_cuda(self, fn: Callable) -> Callable:
+        """Register ``fn`` as the op's CUDA kernel (the Triton path; run on its first
+        tensor's device): the dispatcher then picks CUDA or the default kernel, so an op
+        body never asks which device it is on."""
+        _LIB.impl(self.name, on_input_device(fn), "CUDA")
         return fn
 
     def register_autograd(self, backward: Callable, *, setup_context: Callable) -> None:
         torch.library.register_autograd(
             self.qualname, backward, setup_context=setup_context, lib=_LIB
         )
+
+    @property
+    def default(self) -> torch._ops.OpOverload:
+        """The op's overload (``torch.ops.qmoe.<name>.default``), e.g. for
+        ``register_passthrough``."""
+        return getattr(torch.ops.qmoe, self.name).default
 
     def __call__(self, *args):
         return getattr(torch.ops.qmoe, self.name)(*args)
@@ -60,15 +77,16 @@ def on_input_device(fn: Callable) -> Callable:
 
 
 def define(schema: str) -> Callable[[Callable], Op]:
-    """Decorator: define ``qmoe::<schema>`` with the function as its kernel on every device
-    (``CompositeExplicitAutograd``, run on its first tensor argument's device:
-    ``on_input_device``): CUDA, and CPU unless ``qmoe._C`` registers a CPU kernel for the
-    op (``csrc/``, eight ops: ``qmoe.backends()``)."""
+    """Decorator: define ``qmoe::<schema>`` with the function as its default kernel
+    (``CompositeExplicitAutograd``: the torch path, run on its first tensor argument's
+    device by ``on_input_device``). ``Op.register_cuda`` adds the Triton kernel for CUDA
+    tensors; ``qmoe._C`` (``csrc/``) registers C++ kernels on the CPU key for the ops it
+    has (``qmoe.backends()``)."""
 
     def deco(fn: Callable) -> Op:
         name = schema.split("(", 1)[0]
         _LIB.define(schema)
         _LIB.impl(name, on_input_device(fn), "CompositeExplicitAutograd")
-        return Op(name)
+        return Op(name, fn)
 
     return deco

@@ -37,7 +37,8 @@ import torch.distributed as dist
 from qmoe._library import define
 from qmoe.ops import moe_permute, moe_sort_chunks_by_index, moe_unpermute
 from qmoe.ops.checks import ID_LIMIT, MASK_FROM_IDS, check_mask_values
-from qmoe.ops.row_id_map import compact_routes, num_slots
+from qmoe.ops.launch import num_slots
+from qmoe.ops.row_id_map import compact_routes
 from qmoe.tensors.base import QuantizedTensor, register_passthrough
 
 __all__ = ["dispatch", "combine", "DispatchHandle", "TokenDispatcher", "wire_bytes_per_row"]

@@ -81,7 +81,7 @@ def interpreter_asserts(monkeypatch):
     """Run ``tl.device_assert`` under the interpreter. Its builder keeps fixed options with
     ``debug`` off, whatever the launch asks, so without this the kernels' device-side checks
     (``check_routes``, ``assert_probs_not_nan``, the chunk sort's; compiled in on CUDA through
-    ``backend.assert_options()``) are skipped on CPU. Patches Triton's interpreter for this
+    ``launch.assert_options()``) are skipped on CPU. Patches Triton's interpreter for this
     test only; a failed check raises InterpreterError."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         return

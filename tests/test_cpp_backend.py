@@ -13,7 +13,7 @@ import torch
 
 import qmoe
 from qmoe._backends import cpp_loaded
-from qmoe.ops import backend as B
+from qmoe.ops import torch_impl as TI
 from qmoe.ops.row_id_map import _index_rows, _mask_rows, fill_rows
 from qmoe.ops.sort_chunks import chunk_source_rows
 from qmoe.tensors.quantize import _reference_blocks, _saturate_cast
@@ -80,14 +80,14 @@ def test_move_and_merge(dtype, t, h, e, k, extra, offset):
     x = torch.randn(t, h + offset).to(dtype)[:, offset:]
     probs = torch.rand(t, e)
     out, pp = ops.permute(x, rid, probs, n)
-    assert_same_bits(out, B.permute_rows(x, rid, n, use_triton=False))
+    assert_same_bits(out, TI.permute_rows(x, rid, n))
     y = torch.randn(n, h).to(dtype)
     for w in (None, probs):
-        assert_same_bits(ops.unpermute(y, rid, w), B.unpermute_rows(y, rid, w, use_triton=False))
+        assert_same_bits(ops.unpermute(y, rid, w), TI.unpermute_rows(y, rid, w))
     g = torch.randn(t, h).to(dtype)
     gi, gw = ops.unpermute_backward(g, rid, probs, y, n)
-    assert_same_bits(gi, B.permute_rows(g, rid, n, probs, use_triton=False))
-    tok, row, col = B._routes(rid)
+    assert_same_bits(gi, TI.permute_rows(g, rid, n, probs))
+    tok, row, col = TI.routes(rid)
     prod = g.double()[tok] * y.double()[row]  # [routes, H]
     ref, mag = torch.zeros(2, t, e, dtype=torch.float64)
     ref[tok, col] = prod.sum(1)
@@ -100,7 +100,7 @@ def test_move_and_merge(dtype, t, h, e, k, extra, offset):
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("recipe", ["pertensor", "blockwise", "mx"])
 def test_unpermute_fp8(recipe, fp8):
-    from qmoe.ops.fp8 import _bits, _layout
+    from qmoe.ops.fp8 import bits_of, scale_layout
 
     r = {"pertensor": qmoe.PerTensor(fp8), "blockwise": qmoe.Blockwise(fp8_dtype=fp8),
          "mx": qmoe.MXFP8(fp8)}[recipe]
@@ -111,10 +111,10 @@ def test_unpermute_fp8(recipe, fp8):
     w = torch.rand(t, e)
     for h, weights in itertools.product((200, 2304), (None, w)):  # 2304: two merge chunks+
         q = qmoe.quantize(torch.randn(n, h) * 10, r)
-        got = ops.unpermute_fp8(_bits(q), q.raw_scale, rid, weights, _layout(q),
+        got = ops.unpermute_fp8(bits_of(q), q.raw_scale, rid, weights, scale_layout(q),
                                 q.block_size or 0, q.fp8_dtype, torch.float32)
-        want = B.unpermute_fp8_rows(_bits(q), q.raw_scale, _layout(q), q.block_size or 0,
-                                    q.fp8_dtype, rid, weights, torch.float32, use_triton=False)
+        want = TI.unpermute_fp8_rows(bits_of(q), q.raw_scale, scale_layout(q), q.block_size or 0,
+                                    q.fp8_dtype, rid, weights, torch.float32)
         assert_same_bits(got, want)
 
 
@@ -122,7 +122,7 @@ def test_unpermute_fp8(recipe, fp8):
 def test_unpermute_fp8_any_block_size(bs):
     """fp32 block scales of any width (torchao's per-row scales are one block of H), blocks
     straddling the merge's 1024-column steps included."""
-    from qmoe.ops.fp8 import _bits
+    from qmoe.ops.fp8 import bits_of
 
     t, e, h = 30, 6, 2304
     ids, mask = routing(t, e, 2, "random")
@@ -131,9 +131,9 @@ def test_unpermute_fp8_any_block_size(bs):
     q = qmoe.quantize(torch.randn(n, h), qmoe.PerTensor())
     scale = torch.rand(n, -(-h // bs)) + 0.5
     for weights in (None, torch.rand(t, e)):
-        got = ops.unpermute_fp8(_bits(q), scale, rid, weights, 1, bs, q.fp8_dtype, torch.float32)
-        want = B.unpermute_fp8_rows(_bits(q), scale, 1, bs, q.fp8_dtype, rid, weights,
-                                    torch.float32, use_triton=False)
+        got = ops.unpermute_fp8(bits_of(q), scale, rid, weights, 1, bs, q.fp8_dtype, torch.float32)
+        want = TI.unpermute_fp8_rows(bits_of(q), scale, 1, bs, q.fp8_dtype, rid, weights,
+                                    torch.float32)
         assert_same_bits(got, want)
 
 
@@ -229,25 +229,24 @@ def test_outputs_fully_written():
     """The C++ ops write every byte of their outputs: zero rows of a fixed-size permute
     (spare rows), tokens with no route in a merge, rows past the chunks in a chunk sort.
     Meaningful in the poisoned run below, where every fresh allocation holds 0x5A bytes."""
-    from qmoe.ops.fp8 import _bits, _layout
+    from qmoe.ops.fp8 import bits_of, scale_layout
 
     t, h, e = 24, 40, 6
     ids, mask = routing(t, e, 2, "no_route_tokens")
     x = torch.randn(t, h)
     n = int(mask.sum()) + 7  # seven rows no route fills
     rid = _mask_rows(mask, n, 1)
-    assert_same_bits(ops.permute(x, rid, None, n)[0], B.permute_rows(x, rid, n, use_triton=False))
+    assert_same_bits(ops.permute(x, rid, None, n)[0], TI.permute_rows(x, rid, n))
     y = torch.randn(n, h)
     w = torch.rand(t, e)
     for weights in (None, w):
         assert_same_bits(ops.unpermute(y, rid, weights),
-                         B.unpermute_rows(y, rid, weights, use_triton=False))
+                         TI.unpermute_rows(y, rid, weights))
     q = qmoe.quantize(torch.randn(n, 256), qmoe.Blockwise())
-    got = ops.unpermute_fp8(_bits(q), q.raw_scale, rid, w, _layout(q), 128, q.fp8_dtype,
+    got = ops.unpermute_fp8(bits_of(q), q.raw_scale, rid, w, scale_layout(q), 128, q.fp8_dtype,
                             torch.float32)
-    assert_same_bits(got, B.unpermute_fp8_rows(_bits(q), q.raw_scale, _layout(q), 128,
-                                               q.fp8_dtype, rid, w, torch.float32,
-                                               use_triton=False))
+    assert_same_bits(got, TI.unpermute_fp8_rows(bits_of(q), q.raw_scale, scale_layout(q), 128,
+                                               q.fp8_dtype, rid, w, torch.float32))
     sizes, order = torch.tensor([5, 0, 9]), torch.tensor([2, 0, 1])  # 10 rows stay
     got = ops.sort_chunks(x, sizes, order, None)
     assert_same_bits(got[0], x[chunk_source_rows(sizes, order, t)])

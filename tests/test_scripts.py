@@ -107,7 +107,7 @@ def test_script_calls_match_qmoe(path):
 
 
 def test_the_check_sees_bad_calls():
-    from qmoe.ops.permute_mask import permute_mask_triton
+    from qmoe.ops.kernels.permute_mask import permute_mask_triton
 
     def problems(src):
         return _call_problems(ast.parse(src).body[0].value, permute_mask_triton)
@@ -117,12 +117,12 @@ def test_the_check_sees_bad_calls():
     n = len(inspect.signature(permute_mask_triton).parameters)
     assert "too many positional" in problems(f"f({', '.join(['a'] * (n + 1))})")[0]
     assert "missing a required argument" in problems("f()")[0]
-    from qmoe.ops._kernels.permute import unpermute_gather_kernel
+    from qmoe.ops.kernels.unpermute import unpermute_gather_kernel
 
     launch = ast.parse("k[(1,)](a, b, c, d, e, f, g, h, i, j, HAS_W=0, num_warps=4)").body[0]
     assert "multiple values for argument 'HAS_W'" in _call_problems(
         launch.value, unpermute_gather_kernel)[0]  # `sweep permute`'s call before its mend
-    names = _imported(ast.parse("import qmoe\nfrom qmoe.ops import backend as B"))
+    names = _imported(ast.parse("import qmoe\nfrom qmoe.ops import torch_impl as B"))
     with pytest.raises(AttributeError, match="no_such"):
         _resolve(ast.parse("B.no_such(x)").body[0].value.func, names)
     assert _resolve(ast.parse("qmoe.moe_permute(x)").body[0].value.func, names) is not None

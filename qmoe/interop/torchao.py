@@ -41,7 +41,7 @@ from torchao.float8 import Float8TrainingTensor
 from torchao.prototype.mx_formats.mx_tensor import MXTensor
 from torchao.quantization import Float8Tensor as AOFloat8Tensor
 
-from qmoe.ops.fp8 import permute_args
+from qmoe.ops.fp8 import RowLayout, rules
 from qmoe.tensors import Float8BlockwiseTensor, Float8Tensor, MXFP8Tensor
 from qmoe.tensors.layouts import (
     FP8_BLOCK_E8M0,
@@ -54,7 +54,6 @@ from qmoe.tensors.layouts import (
 __all__ = ["from_torchao", "to_torchao", "TORCHAO_CLASSES"]
 
 TORCHAO_CLASSES = (AOFloat8Tensor, MXTensor, Float8TrainingTensor)
-ops = torch.ops.qmoe
 
 
 def _refuse(t: torch.Tensor, what: str) -> ValueError:
@@ -113,81 +112,50 @@ def _scale_rows(scale: torch.Tensor) -> torch.Tensor:
     return scale.view(torch.uint8) if scale.dtype == torch.float8_e8m0fnu else scale
 
 
-def _moved_scale(t: torch.Tensor, s: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Moved scale rows ``s`` back in ``scale``'s dtype, for ``t``'s class."""
-    if isinstance(t, Float8TrainingTensor):  # unfilled rows: 0 / 1 = 0, not 0 / 0
-        s = torch.where(s == 0, torch.ones_like(s), s)
-    return s.view(scale.dtype)
+class _TorchaoRows(RowLayout):
+    """The rules' adapter for torchao's classes (``qmoe.ops.fp8.RowLayout``)."""
+
+    def split(self, t):
+        data, scale, rows = _parts(t)
+        return data.view(torch.uint8), (_scale_rows(scale) if rows else None), scale
+
+    def join(self, t, bits, scale):
+        data_dtype = _parts_dtype(t)
+        if isinstance(t, Float8TrainingTensor) and scale is not t._scale:
+            # moved scale rows: unfilled rows get 1 (0 / 1 = 0, not 0 / 0)
+            scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+        stored = t.scale.dtype if isinstance(t, MXTensor) else scale.dtype
+        return _rebuild(t, bits.view(data_dtype), scale.view(stored))
+
+    def merge_layout(self, t):
+        if isinstance(t, Float8TrainingTensor):
+            return None  # data / scale: its own convention, dequantized first
+        data, scale, rows = _parts(t)
+        if isinstance(t, MXTensor):
+            layout, bs, s = FP8_BLOCK_E8M0, MX_BLOCK_SIZE, scale.view(torch.uint8)
+        elif rows:
+            layout, bs, s = FP8_BLOCK_FP32, data.shape[1] // scale.shape[1], scale
+        else:
+            layout, bs, s = FP8_PER_TENSOR, 0, scale.reshape(())
+        return layout, bs, s, data.dtype, t.dtype
+
+    def dequantized(self, t):
+        data, scale, _ = _parts(t)
+        return data.float() / scale, t._orig_dtype
 
 
-def _move(t: torch.Tensor, run):
-    """``run(rows, with_probs) -> (moved, permuted probs)`` on the data bytes and (when it
-    has one per row) on the scale rows; rebuild ``t``'s class."""
-    data, scale, rows = _parts(t)
-    out, pp = run(data.view(torch.uint8), True)
-    if rows:
-        scale = _moved_scale(t, run(_scale_rows(scale), False)[0], scale)
-    return _rebuild(t, out.view(data.dtype), scale), pp
+def _parts_dtype(t: torch.Tensor) -> torch.dtype:
+    """The fp8 dtype of a torchao tensor's data."""
+    return t.qdata.dtype if isinstance(t, (MXTensor, AOFloat8Tensor)) else t._data.dtype
 
 
-def _permute_rule(cls, func, types, args, kwargs):
-    x, rid, probs, n, fill = permute_args(args, kwargs)
-    return _move(x, lambda r, with_probs: func(r, rid, probs if with_probs else None, n, fill))
+#: The adapter of torchao's classes.
+TORCHAO_ROWS = _TorchaoRows()
 
-
-def _sort_chunks_rule(cls, func, types, args, kwargs):
-    """The chunk sort: scale rows, where there is one per data row, move as side rows of
-    the data bytes (``qmoe::sort_chunks_rows``: one launch on CUDA)."""
-    x, sizes, index, probs = args
-    data, scale, rows = _parts(x)
-    if not rows:
-        return _move(x, lambda r, with_probs: func(r, sizes, index,
-                                                     probs if with_probs else None))
-    out, s, pp = torch.ops.qmoe.sort_chunks_rows(data.view(torch.uint8), _scale_rows(scale),
-                                                 sizes, index, probs)
-    return _rebuild(x, out.view(data.dtype), _moved_scale(x, s, scale)), pp
-
-
-def _fused_permute_rule(cls, func, types, args, kwargs):
-    """The fused mask / index permute (``qmoe::permute_mask``, ``qmoe::permute_index``, what
-    the public permutes of a mask run on CUDA): scale rows, where there is one per data
-    row, move as side rows of the data bytes in the same launch; other scales carry over."""
-    x, rmap, probs, side, n, last = args
-    if side is not None:
-        raise TypeError(f"{func.name()}: side rows come from the quantized inp's scales; "
-                        "pass side=None with a quantized inp")
-    data, scale, rows = _parts(x)
-    out, pp, s_out, rid = func(data.view(torch.uint8), rmap, probs,
-                               _scale_rows(scale) if rows else None, n, last)
-    moved = _moved_scale(x, s_out, scale) if rows else scale
-    empty = torch.empty(0, dtype=x.dtype, device=x.device)  # no side rows out, as for plain
-    return _rebuild(x, out.view(data.dtype), moved), pp, empty, rid
-
-
-def _unpermute_rule(cls, func, types, args, kwargs):
-    """The merge of torchao rows: dequantized inside the merge kernel for the multiplying
-    layouts; ``Float8TrainingTensor`` rows are dequantized in its convention (``data /
-    scale``, in fp32) and merged in fp32. High precision out (the tensor's dtype)."""
-    x, rid, weights = args
-    data, scale, rows = _parts(x)
-    if isinstance(x, Float8TrainingTensor):
-        return func(data.float() / scale, rid, weights).to(x._orig_dtype)
-    if isinstance(x, MXTensor):
-        layout, bs, s = FP8_BLOCK_E8M0, MX_BLOCK_SIZE, scale.view(torch.uint8)
-    elif rows:
-        layout, bs, s = FP8_BLOCK_FP32, data.shape[1] // scale.shape[1], scale
-    else:
-        layout, bs, s = FP8_PER_TENSOR, 0, scale.reshape(())
-    return ops.unpermute_fp8(data.view(torch.uint8), s, rid, weights, layout, bs, data.dtype,
-                             x.dtype)
-
-
-for _cls in TORCHAO_CLASSES:
-    torch.library.register_torch_dispatch("qmoe::permute", _cls, _permute_rule)
-    torch.library.register_torch_dispatch("qmoe::permute_mask", _cls, _fused_permute_rule)
-    torch.library.register_torch_dispatch("qmoe::permute_index", _cls, _fused_permute_rule)
-    torch.library.register_torch_dispatch("qmoe::sort_chunks", _cls, _sort_chunks_rule)
-    torch.library.register_torch_dispatch("qmoe::unpermute", _cls, _unpermute_rule)
+for _op, _rule in rules(TORCHAO_ROWS).items():
+    for _cls in TORCHAO_CLASSES:
+        torch.library.register_torch_dispatch(
+            _op, _cls, lambda cls, func, types, args, kwargs, rule=_rule: rule(func, args, kwargs))
 
 
 def from_torchao(t: torch.Tensor) -> torch.Tensor:

@@ -1,14 +1,19 @@
 """MoE permutation as ``torch.library`` custom ops (``qmoe::...``), call-compatible with
 TransformerEngine's ``moe_permute`` family. Triton kernels on CUDA, compiled C++ kernels on
 CPU (``csrc/``; vectorized torch when built without them), and a pure-torch reference in
-``qmoe.ops.reference``."""
+``qmoe.ops.reference``.
 
-from qmoe.ops.unpermute import moe_unpermute  # noqa: I001  (defines qmoe::unpermute first)
+Each op module defines its own ``qmoe::`` ops and imports the modules whose ops it uses,
+so no import order matters; ``fp8`` registers the quantized types' passthrough rules on
+them (imported here, so ``import qmoe.ops`` makes FP8 inputs work)."""
+
+from qmoe.ops import fp8
 from qmoe.ops.permute import moe_permute, moe_permute_and_pad_with_probs, moe_permute_with_probs
 from qmoe.ops.sort_chunks import moe_sort_chunks_by_index, moe_sort_chunks_by_index_with_probs
-from qmoe.ops import fp8 as _fp8  # noqa: F401  (passthrough rules for quantized inputs)
+from qmoe.ops.unpermute import moe_unpermute
 
 __all__ = [
+    "fp8",
     "moe_permute",
     "moe_permute_with_probs",
     "moe_permute_and_pad_with_probs",

@@ -10,7 +10,9 @@ from collections.abc import Callable
 
 import torch
 
+from qmoe.tensors.base import QuantizedTensor
 from qmoe.tensors.layouts import HP_DTYPES
+from qmoe.tensors.quantize import check_block_args, check_op_dtypes, check_scale_tensor
 
 #: inp's dtypes: the high-precision ones (the rows the ops move unquantized)
 FLOATS = HP_DTYPES
@@ -116,8 +118,6 @@ def check_input(fn: str, inp) -> None:
     load = FOREIGN_RULES.get(type(inp).__module__.partition(".")[0])
     if load is not None and not is_compiling():
         load()
-    from qmoe.tensors.base import QuantizedTensor
-
     # Non-strict export only: torch 2.11 also reports is_exporting() while Dynamo traces
     # a torch.compile'd function, which handles quantized inputs fine.
     if (isinstance(inp, QuantizedTensor) and torch.compiler.is_exporting()
@@ -175,8 +175,6 @@ def check_mask_values(fn: str, routing_map: torch.Tensor, index_fix: str) -> Non
 
 
 def check_not_quantized(fn: str, name: str, t) -> None:
-    from qmoe.tensors.base import QuantizedTensor
-
     if isinstance(t, QuantizedTensor):
         raise TypeError(
             f"{fn}: {name} is a {type(t).__name__}; only inp may be quantized, pass "
@@ -280,8 +278,6 @@ def check_quantize_args(op, x, block_size, fp8_dtype, scale_mode, scale) -> None
     """The fused quantize-permute ops' quantizing arguments (``qmoe::quantize_permute``,
     ``qmoe::quantize_permute_mask``; the public functions build them from a checked
     recipe), in the real ops and their fakes alike."""
-    from qmoe.tensors.quantize import check_block_args, check_op_dtypes, check_scale_tensor
-
     if x.dim() != 2:
         raise ValueError(f"qmoe::{op}: x must be 2-D [T, H], got shape {tuple(x.shape)}")
     if scale_mode != "given":

@@ -12,63 +12,84 @@ tensors and rewraps:
   ``qmoe::unpermute_fp8``: each row is dequantized inside the merge kernel (fp8 bits times
   its block scale) and summed in fp32; there is no dequantized copy of the rows.
 
+The rules are written once, against a small adapter (``RowLayout``: split a tensor into
+its fp8 bits and scale, join moved ones back, name its merge layout), with one signature,
+``rule(rows, func, args, kwargs)``. ``QMOE_ROWS`` adapts qmoe's types (registered here as
+passthrough ops); ``qmoe.interop.torchao`` adapts torchao's and registers the same rules
+(``rules``) with ``torch.library.register_torch_dispatch``.
+
 Because the rules only call ops on plain tensors, AOTAutograd can desugar the subclass
 and ``torch.compile(fullgraph=True)`` traces them (docs/design.md).
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from qmoe._library import define
-from qmoe.ops import permute_index as _permute_index  # noqa: F401  (qmoe::permute_index)
-from qmoe.ops import permute_mask as _permute_mask  # noqa: F401  (defines qmoe::permute_mask)
-from qmoe.ops import sort_chunks as _sort_chunks  # noqa: F401  (defines qmoe::sort_chunks_rows)
-from qmoe.ops.backend import permute_rows, unpermute_fp8_rows
+from qmoe.ops.permute import _permute, _permute_with_scales
+from qmoe.ops.permute_index import _permute_index
+from qmoe.ops.permute_mask import _permute_mask
+from qmoe.ops.sort_chunks import _sort_chunks, _sort_chunks_rows
+from qmoe.ops.unpermute import _unpermute, _unpermute_backward, _unpermute_fp8
 from qmoe.tensors.base import QuantizedTensor, register_passthrough
 from qmoe.tensors.layouts import FP8_BLOCK_E8M0, FP8_BLOCK_FP32, FP8_PER_TENSOR
 from qmoe.tensors.types import MXFP8Tensor
 
-ops = torch.ops.qmoe
+
+class RowLayout:
+    """How the rules see a quantized tensor class (subclass per family of classes)."""
+
+    def split(self, t) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """``(bits [..., H] uint8, scale rows [..., NB] to move with them, or None when the
+        scale carries over, the scale as stored)``."""
+        raise NotImplementedError
+
+    def join(self, t, bits: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """A tensor of ``t``'s class around moved ``bits`` (uint8) and ``scale`` (moved
+        rows, or the carried scale as ``split`` gave it)."""
+        raise NotImplementedError
+
+    def merge_layout(self, t) -> tuple | None:
+        """``(layout, block_size, scale, fp8 dtype, out dtype)`` of ``qmoe::unpermute_fp8``
+        for ``t``'s rows (the merge dequantizes inside its kernel), or None: the rows are
+        dequantized (``dequantized``) and merged in fp32."""
+        raise NotImplementedError
+
+    def dequantized(self, t) -> tuple[torch.Tensor, torch.dtype]:
+        """``(t`` dequantized in fp32, the dtype the merge returns``)``."""
+        raise NotImplementedError
 
 
-def _bits(q: QuantizedTensor) -> torch.Tensor:
+def bits_of(q: QuantizedTensor) -> torch.Tensor:
+    """The fp8 data of a qmoe tensor as the kernels move it (``uint8``, same shape)."""
     return q.qdata.view(torch.uint8)
 
 
-def _move_rows(q: QuantizedTensor, run):
-    """``run(rows, with_probs) -> (moved rows, permuted probs)`` on the fp8 bits, then on
-    the block-scale rows (without probs); rewrap as ``q``'s type."""
-    out, pp = run(_bits(q), True)
-    scale = q.raw_scale if q.block_size is None else run(q.raw_scale, False)[0]
-    return q._rewrap(out.view(q.fp8_dtype), scale), pp
+def scale_layout(q: QuantizedTensor) -> int:
+    """The ``qmoe.tensors.layouts`` scale layout of a qmoe tensor (``unpermute_fp8``'s)."""
+    if q.block_size is None:
+        return FP8_PER_TENSOR
+    return FP8_BLOCK_E8M0 if isinstance(q, MXFP8Tensor) else FP8_BLOCK_FP32
 
 
-@define(
-    "permute_with_scales(Tensor qbits, Tensor scale_rows, Tensor row_id_map, Tensor? probs, "
-    "SymInt num_out_tokens, Tensor? fill=None) -> (Tensor, Tensor, Tensor)"
-)
-def _permute_with_scales(qbits, scale_rows, row_id_map, probs, num_out_tokens, fill=None):
-    """``(bits [N, H], scale rows [N, NB], permuted probs [N] or empty)``: quantized rows
-    and their block-scale rows moved together (one scatter pass on CUDA)."""
-    if qbits.is_cuda:
-        n = num_out_tokens
-        s_out = scale_rows.new_empty((n, scale_rows.shape[1]))
-        pp = probs.new_empty((n,)) if probs is not None else qbits.new_empty(0)
-        bits = permute_rows(qbits, row_id_map, n, probs=probs, probs_out=pp, side=scale_rows,
-                            side_out=s_out, fill=fill)
-        return bits, s_out, pp
-    bits, pp = ops.permute(qbits, row_id_map, probs, num_out_tokens)
-    s_out = ops.permute(scale_rows, row_id_map, None, num_out_tokens)[0]
-    return bits, s_out, pp if probs is not None else qbits.new_empty(0)
+class _QmoeRows(RowLayout):
+    def split(self, t):
+        return bits_of(t), (t.raw_scale if t.block_size is not None else None), t.raw_scale
+
+    def join(self, t, bits, scale):
+        return t._rewrap(bits.view(t.fp8_dtype), scale)
+
+    def merge_layout(self, t):
+        return scale_layout(t), t.block_size or 0, t.raw_scale, t.fp8_dtype, t.orig_dtype
+
+    def dequantized(self, t):
+        return t._dequantize_raw(torch.float32), t.orig_dtype
 
 
-@_permute_with_scales.register_fake
-def _(qbits, scale_rows, row_id_map, probs, num_out_tokens, fill=None):
-    n = num_out_tokens
-    pp = probs.new_empty((n,)) if probs is not None else qbits.new_empty(0)
-    return (qbits.new_empty((n, qbits.shape[1])),
-            scale_rows.new_empty((n, scale_rows.shape[1])), pp)
+#: The adapter of qmoe's own types (``QuantizedTensor`` subclasses).
+QMOE_ROWS = _QmoeRows()
 
 
 def permute_args(args, kwargs):
@@ -78,89 +99,84 @@ def permute_args(args, kwargs):
     return inp, rid, probs, n, rest[0] if rest else kwargs.get("fill")
 
 
-@register_passthrough(ops.permute.default)
-def _permute_q(func, args, kwargs):
-    q, rid, probs, n, fill = permute_args(args, kwargs)
-    if q.block_size is not None and q.qdata.dim() == 2:
-        bits, scale, pp = ops.permute_with_scales(_bits(q), q.raw_scale, rid, probs, n, fill)
-        return q._rewrap(bits.view(q.fp8_dtype), scale), pp
-    return _move_rows(
-        q, lambda t, with_probs: func(t, rid, probs if with_probs else None, n, fill))
+def permute_rule(rows: RowLayout, func, args, kwargs):
+    """``qmoe::permute`` of quantized rows: the bits and their scale rows in one scatter
+    (``qmoe::permute_with_scales``); a carried scale stays."""
+    x, rid, probs, n, fill = permute_args(args, kwargs)
+    bits, srows, scale = rows.split(x)
+    if srows is None:
+        out, pp = func(bits, rid, probs, n, fill)
+        return rows.join(x, out, scale), pp
+    if bits.dim() == 2:
+        out, s_out, pp = _permute_with_scales(bits, srows, rid, probs, n, fill)
+        return rows.join(x, out, s_out), pp
+    out, pp = func(bits, rid, probs, n, fill)  # (leading dims: the rows of a 2-D view)
+    return rows.join(x, out, func(srows, rid, None, n, fill)[0]), pp
 
 
-@register_passthrough(ops.permute_index.default)
-@register_passthrough(ops.permute_mask.default)
-def _permute_mask_q(func, args, kwargs):
-    """The fused mask (or index) permute of quantized rows: the fp8 bits move as rows,
-    block-scale rows as its side rows (one pass); a per-tensor scale carries over. Both ops
-    take ``(inp, routing_map, probs, side, num_out_tokens, <int>)``."""
-    q, rmap, probs, side, n, last = args
+def fused_permute_rule(rows: RowLayout, func, args, kwargs):
+    """The fused mask (or index) permute of quantized rows (``qmoe::permute_mask``,
+    ``qmoe::permute_index``: ``(inp, routing_map, probs, side, num_out_tokens, <int>)``):
+    the bits move as rows, scale rows as their side rows in the same launch; a carried
+    scale stays."""
+    x, rmap, probs, side, n, last = args
     if side is not None:
         raise TypeError(f"{func.name()}: side rows come from the quantized inp's scales; "
                         "pass side=None with a quantized inp")
-    blocks = q.block_size is not None
-    bits, pp, s_out, rid = func(_bits(q), rmap, probs, q.raw_scale if blocks else None, n,
-                                last)
-    empty = torch.empty(0, dtype=q.dtype, device=q.device)  # no side rows out (as for plain)
-    return q._rewrap(bits.view(q.fp8_dtype), s_out if blocks else q.raw_scale), pp, empty, rid
+    bits, srows, scale = rows.split(x)
+    out, pp, s_out, rid = func(bits, rmap, probs, srows, n, last)
+    empty = torch.empty(0, dtype=x.dtype, device=x.device)  # no side rows out (as for plain)
+    return rows.join(x, out, s_out if srows is not None else scale), pp, empty, rid
 
 
-@register_passthrough(ops.sort_chunks.default)
-def _sort_chunks_q(func, args, kwargs):
-    """The chunk sort of quantized rows: block-scale rows move as side rows of the bits
-    (``qmoe::sort_chunks_rows``: one launch on CUDA); a per-tensor scale carries over."""
-    q, sizes, index, probs = args
-    if q.block_size is None:
-        return _move_rows(q, lambda t, with_probs: func(t, sizes, index,
-                                                        probs if with_probs else None))
-    bits, scale, pp = ops.sort_chunks_rows(_bits(q), q.raw_scale, sizes, index, probs)
-    return q._rewrap(bits.view(q.fp8_dtype), scale), pp
+def sort_chunks_rule(rows: RowLayout, func, args, kwargs):
+    """The chunk sort of quantized rows: scale rows move as side rows of the bits
+    (``qmoe::sort_chunks_rows``: one launch on CUDA); a carried scale stays."""
+    x, sizes, index, probs = args
+    bits, srows, scale = rows.split(x)
+    if srows is None:
+        out, pp = func(bits, sizes, index, probs)
+        return rows.join(x, out, scale), pp
+    out, s_out, pp = _sort_chunks_rows(bits, srows, sizes, index, probs)
+    return rows.join(x, out, s_out), pp
 
 
-@define(
-    "unpermute_fp8(Tensor qbits, Tensor scale, Tensor row_id_map, Tensor? merging_probs, "
-    "int layout, int block_size, ScalarType fp8_dtype, ScalarType out_dtype) -> Tensor"
-)
-def _unpermute_fp8(qbits, scale, row_id_map, merging_probs, layout, block_size, fp8_dtype,
-                   out_dtype):
-    if layout != FP8_PER_TENSOR:  # the kernels index scale rows by block (metadata check)
-        nb = -(-qbits.shape[1] // max(block_size, 1))
-        if block_size < 1 or scale.dim() != 2 or tuple(scale.shape) != (qbits.shape[0], nb):
-            raise ValueError(
-                f"qmoe::unpermute_fp8: block scales must be [N, ceil(H / block_size)] = "
-                f"[{qbits.shape[0]}, {nb}], got {tuple(scale.shape)} (block_size {block_size})"
-            )
-    return unpermute_fp8_rows(
-        qbits, scale, layout, block_size, fp8_dtype, row_id_map, merging_probs, out_dtype
-    )
+def unpermute_rule(rows: RowLayout, func, args, kwargs):
+    """The merge of quantized rows: dequantized inside the kernel (``qmoe::unpermute_fp8``),
+    fp32 sums, high precision out; layouts the kernel does not know are dequantized first
+    and merged in fp32."""
+    x, rid, weights = args
+    layout = rows.merge_layout(x)
+    if layout is None:
+        vals, dtype = rows.dequantized(x)
+        return func(vals, rid, weights).to(dtype)
+    bits, _, _ = rows.split(x)
+    return _unpermute_fp8(bits, layout[2], rid, weights, layout[0], layout[1], *layout[3:])
 
 
-@_unpermute_fp8.register_fake
-def _(qbits, scale, row_id_map, merging_probs, layout, block_size, fp8_dtype, out_dtype):
-    return qbits.new_empty((row_id_map.shape[0], qbits.shape[1]), dtype=out_dtype)
-
-
-def _layout(q: QuantizedTensor) -> int:
-    if q.block_size is None:
-        return FP8_PER_TENSOR
-    return FP8_BLOCK_E8M0 if isinstance(q, MXFP8Tensor) else FP8_BLOCK_FP32
-
-
-@register_passthrough(ops.unpermute.default)
-def _unpermute_q(func, args, kwargs):
-    """Merge of quantized rows: dequantized inside the kernel, fp32 sums, orig dtype out."""
-    q, rid, weights = args
-    return ops.unpermute_fp8(
-        _bits(q), q.raw_scale, rid, weights, _layout(q), q.block_size or 0, q.fp8_dtype,
-        q.orig_dtype,
-    )
-
-
-@register_passthrough(ops.unpermute_backward.default)
-def _unpermute_backward_q(func, args, kwargs):
+def unpermute_backward_rule(rows: RowLayout, func, args, kwargs):
+    """The merge's backward with quantized forward rows or gradient: both dequantized (the
+    weights' gradient reads the rows in fp32)."""
     grad, rid, weights, fwd_inp, n = args
     if isinstance(fwd_inp, QuantizedTensor):
-        fwd_inp = fwd_inp._dequantize_raw(torch.float32)
+        fwd_inp = rows.dequantized(fwd_inp)[0]
     if isinstance(grad, QuantizedTensor):
         grad = grad._dequantize_raw()
     return func(grad, rid, weights, fwd_inp, n)
+
+
+def rules(rows: RowLayout) -> dict:
+    """``{op overload: rule(func, args, kwargs)}`` of the ops that move ``inp``, bound to
+    ``rows``: what an adapter registers for its classes."""
+    bind = lambda rule: functools.partial(rule, rows)
+    return {_permute.default: bind(permute_rule),
+            _permute_mask.default: bind(fused_permute_rule),
+            _permute_index.default: bind(fused_permute_rule),
+            _sort_chunks.default: bind(sort_chunks_rule),
+            _unpermute.default: bind(unpermute_rule)}
+
+
+for _op, _rule in {**rules(QMOE_ROWS),
+                   _unpermute_backward.default: functools.partial(unpermute_backward_rule,
+                                                                  QMOE_ROWS)}.items():
+    register_passthrough(_op, _rule)

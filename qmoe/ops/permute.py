@@ -9,9 +9,13 @@ import torch
 
 from qmoe._library import define
 from qmoe.ops import checks as C
-from qmoe.ops.backend import permute_rows
+from qmoe.ops import torch_impl
+from qmoe.ops.kernels.permute import permute_rows_triton
+from qmoe.ops.permute_index import _permute_index
+from qmoe.ops.permute_mask import _permute_mask
 from qmoe.ops.quantize_permute import quantize_and_permute
-from qmoe.ops.row_id_map import num_slots
+from qmoe.ops.row_id_map import make_row_id_map
+from qmoe.ops.unpermute import permute_grads
 from qmoe.tensors.recipes import Recipe
 
 __all__ = ["moe_permute", "moe_permute_with_probs", "moe_permute_and_pad_with_probs"]
@@ -28,12 +32,21 @@ def _permute(
     num_out_tokens: int,
     fill: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out [N, H], permuted_probs [N] or empty)``. ``fill``: the map's unwritten row
-    ranges from ``make_row_id_map`` (zeroed in the scatter launch on CUDA), or None."""
-    if probs is None:
-        return permute_rows(inp, row_id_map, num_out_tokens, fill=fill), inp.new_empty(0)
-    pp = probs.new_empty((num_out_tokens,))
-    out = permute_rows(inp, row_id_map, num_out_tokens, probs=probs, probs_out=pp, fill=fill)
+    """``(out [N, H], permuted_probs [N] or empty)``: ``inp [T, H]`` and ``probs [T, P]``
+    moved to the rows of ``row_id_map``. ``fill``: the map's unwritten row ranges from
+    ``make_row_id_map`` (zeroed in the scatter launch on CUDA), or None. Torch (CPU);
+    ``_permute_cuda`` on CUDA."""
+    pp = probs.new_empty((num_out_tokens,)) if probs is not None else inp.new_empty(0)
+    out = torch_impl.permute_rows(inp, row_id_map, num_out_tokens, probs=probs, probs_out=pp)
+    return out, pp
+
+
+@_permute.register_cuda
+def _permute_cuda(inp, row_id_map, probs, num_out_tokens, fill=None):
+    """One scatter launch (rows, probs and the unwritten rows' zeros). No host sync."""
+    pp = probs.new_empty((num_out_tokens,)) if probs is not None else inp.new_empty(0)
+    out = permute_rows_triton(inp, row_id_map, num_out_tokens, probs=probs,
+                              probs_out=pp if probs is not None else None, fill=fill)
     return out, pp
 
 
@@ -45,41 +58,50 @@ def _(inp, row_id_map, probs, num_out_tokens, fill=None):
     return out, probs.new_empty((num_out_tokens,))
 
 
-def _setup(ctx, inputs, output):
+def _permute_setup(ctx, inputs, output):
     inp, row_id_map, probs = inputs[:3]
     ctx.save_for_backward(row_id_map)
     ctx.probs_meta = None if probs is None else (tuple(probs.shape), probs.dtype)
 
 
-def probs_grad(rid: torch.Tensor, grad_probs: torch.Tensor, t: int, p: int, dtype):
-    """``[T, P]`` gradient of the probs from that of ``permuted_probs`` ``[N]``."""
-    s = num_slots(rid)
-    dst = rid[:, :s].long()
-    vals = torch.where(dst >= 0, grad_probs[dst.clamp(min=0)] if grad_probs.numel() else 0, 0)
-    gp = torch.zeros(t, p + 1, dtype=dtype, device=rid.device)
-    cols = torch.where(dst >= 0, rid[:, s : 2 * s].long(), p)  # unused slots: scratch col
-    gp.scatter_(1, cols, vals.to(dtype))
-    return gp[:, :p]
-
-
-def permute_grads(rid, grad_out, grad_probs, probs_meta):
-    """``(grad of inp [T, H], grad of probs [T, P] or None)`` of a permute by ``rid``;
-    ``probs_meta``: ``(probs shape, dtype)``, or None without probs."""
-    grad_inp = torch.ops.qmoe.unpermute(grad_out.contiguous(), rid, None)
-    gp = None
-    if probs_meta is not None and grad_probs is not None:
-        (t, p), dtype = probs_meta
-        gp = probs_grad(rid, grad_probs, t, p, dtype)
-    return grad_inp, gp
-
-
-def _backward(ctx, grad_out, grad_probs):
+def _permute_backward(ctx, grad_out, grad_probs):
     (rid,) = ctx.saved_tensors
     grad_inp, gp = permute_grads(rid, grad_out, grad_probs, ctx.probs_meta)
     return grad_inp, None, gp, None, None
 
 
-_permute.register_autograd(_backward, setup_context=_setup)
+_permute.register_autograd(_permute_backward, setup_context=_permute_setup)
+
+
+@define(
+    "permute_with_scales(Tensor qbits, Tensor scale_rows, Tensor row_id_map, Tensor? probs, "
+    "SymInt num_out_tokens, Tensor? fill=None) -> (Tensor, Tensor, Tensor)"
+)
+def _permute_with_scales(qbits, scale_rows, row_id_map, probs, num_out_tokens, fill=None):
+    """``(bits [N, H], scale rows [N, NB], permuted probs [N] or empty)``: quantized rows
+    and their block-scale rows moved together (two permutes; one scatter pass on CUDA)."""
+    bits, pp = _permute(qbits, row_id_map, probs, num_out_tokens)
+    s_out = _permute(scale_rows, row_id_map, None, num_out_tokens)[0]
+    return bits, s_out, pp if probs is not None else qbits.new_empty(0)
+
+
+@_permute_with_scales.register_cuda
+def _permute_with_scales_cuda(qbits, scale_rows, row_id_map, probs, num_out_tokens, fill=None):
+    n = num_out_tokens
+    s_out = scale_rows.new_empty((n, scale_rows.shape[1]))
+    pp = probs.new_empty((n,)) if probs is not None else qbits.new_empty(0)
+    bits = permute_rows_triton(qbits, row_id_map, n, probs=probs,
+                               probs_out=pp if probs is not None else None, side=scale_rows,
+                               side_out=s_out, fill=fill)
+    return bits, s_out, pp
+
+
+@_permute_with_scales.register_fake
+def _(qbits, scale_rows, row_id_map, probs, num_out_tokens, fill=None):
+    n = num_out_tokens
+    pp = probs.new_empty((n,)) if probs is not None else qbits.new_empty(0)
+    return (qbits.new_empty((n, qbits.shape[1])),
+            scale_rows.new_empty((n, scale_rows.shape[1])), pp)
 
 
 def _routed_count(fn, routing_map, map_type, num_experts, align_size) -> tuple[int, int]:
@@ -146,7 +168,7 @@ def _map_in_scatter(inp, map_type: str) -> bool:
     return map_type == "mask" and inp.is_cuda
 
 
-def _permute(fn, inp, probs, routing_map, map_type, num_out_tokens, num_experts, quantize,
+def _checked_permute(fn, inp, probs, routing_map, map_type, num_out_tokens, num_experts, quantize,
              quantize_scale, align_size=1):
     """``(output [N, H], permuted_probs [N] or empty, row_id_map)`` of the public functions."""
     if (map_type == "index" and isinstance(routing_map, torch.Tensor)
@@ -171,24 +193,23 @@ def _permute(fn, inp, probs, routing_map, map_type, num_out_tokens, num_experts,
 
 def _run_permute(inp, probs, routing_map, map_type, n, num_experts, quantize, quantize_scale,
                  align_size, fn):
-    """The op that ``_permute`` runs for checked arguments: ``(output, permuted_probs,
+    """The op that ``_checked_permute`` runs for checked arguments: ``(output, permuted_probs,
     row_id_map)``."""
     if quantize is not None:
         return quantize_and_permute(fn, inp, probs, routing_map, map_type == "index",
                                     align_size, n, quantize, quantize_scale)
     if _map_in_scatter(inp, map_type):
-        out, pp, _, rid = torch.ops.qmoe.permute_mask(inp, routing_map, probs, None, n,
-                                                      align_size)
+        out, pp, _, rid = _permute_mask(inp, routing_map, probs, None, n, align_size)
         return out, pp, rid
     if map_type == "index" and inp.is_cuda and num_experts is not None and align_size == 1:
         # the map built in the scatter launch (qmoe::permute_index keeps the sorting path
         # where the fused kernel lost or was not timed: fused_index_wins)
-        out, pp, _, rid = torch.ops.qmoe.permute_index(inp, routing_map, probs, None, n,
+        out, pp, _, rid = _permute_index(inp, routing_map, probs, None, n,
                                                        num_experts)
         return out, pp, rid
-    rid, fill = torch.ops.qmoe.make_row_id_map(routing_map, n, map_type == "index",
+    rid, fill = make_row_id_map(routing_map, n, map_type == "index",
                                                align_size)
-    out, pp = torch.ops.qmoe.permute(inp, rid, probs, n, fill)
+    out, pp = _permute(inp, rid, probs, n, fill)
     return out, pp, rid
 
 
@@ -253,7 +274,7 @@ def moe_permute(
         in high precision: the output gradient unpermuted).
     """
     del max_token_num
-    out, _, rid = _permute("moe_permute", inp, None, routing_map, map_type, num_out_tokens,
+    out, _, rid = _checked_permute("moe_permute", inp, None, routing_map, map_type, num_out_tokens,
                            num_experts, quantize, quantize_scale)
     return out, rid
 
@@ -282,7 +303,7 @@ def moe_permute_with_probs(
     fn = "moe_permute_with_probs"
     if probs is None:
         raise TypeError(f"{fn}: probs is required; use moe_permute without probs")
-    return _permute(fn, inp, probs, routing_map, map_type, num_out_tokens, num_experts,
+    return _checked_permute(fn, inp, probs, routing_map, map_type, num_out_tokens, num_experts,
                     quantize, quantize_scale)
 
 
@@ -381,6 +402,6 @@ def moe_permute_and_pad_with_probs(
         C.check_values(fn, (tokens_per_expert.long() == counts).all(),
                        "tokens_per_expert does not match routing_map's column counts; pass "
                        "routing_map.sum(0) (or None)")
-    out, pp, rid = _permute(fn, inp, probs, routing_map, "mask", num_out_tokens, None,
+    out, pp, rid = _checked_permute(fn, inp, probs, routing_map, "mask", num_out_tokens, None,
                             quantize, quantize_scale, align_size)
     return out, pp, rid, pad_offsets, target

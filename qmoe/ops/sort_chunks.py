@@ -8,120 +8,16 @@ from __future__ import annotations
 
 import torch
 
-from qmoe._intmath import cdiv, next_pow2
 from qmoe._library import define
 from qmoe.ops import checks as C
-from qmoe.ops.backend import assert_options, gather_rows, unit_stride
-from qmoe.ops.tuning import (
-    MAX_KERNEL_CHUNKS,
-    SIDE_WIDE_MAX_COLS,
-    SORT_CHUNKS_WARPS,
-    sort_chunks_tile,
-)
+from qmoe.ops.kernels.sort_chunks import gather_rows_triton, sort_chunks_triton
+from qmoe.ops.tuning import MAX_KERNEL_CHUNKS
 
 
 def one_launch(inp: torch.Tensor, split_sizes: torch.Tensor) -> bool:
     """Whether the sort of ``inp`` takes ``sort_chunks_triton`` (CUDA, at most
     ``MAX_KERNEL_CHUNKS`` chunks), which also checks the sizes, the order and the probs."""
     return inp.is_cuda and split_sizes.numel() <= MAX_KERNEL_CHUNKS
-
-
-def sort_chunks_triton(
-    inp: torch.Tensor,
-    split_sizes: torch.Tensor,
-    sorted_index: torch.Tensor,
-    probs: torch.Tensor | None = None,
-    side: torch.Tensor | None = None,
-    *,
-    inverse: bool = False,
-    check: bool = True,
-    steps: int | None = None,
-    block_h: int | None = None,
-    num_warps: int = SORT_CHUNKS_WARPS,
-    max_scan: int | None = None,
-    words: bool = True,
-    side_wide: bool | None = None,
-    side_words: bool = True,
-    out: torch.Tensor | None = None,
-    side_out: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out [T, H], probs moved alike [T] or empty)``: the chunk sort of ``inp [T, H]``
-    in one launch (CUDA, or CPU under TRITON_INTERPRET=1): the op's CUDA path up to
-    ``MAX_KERNEL_CHUNKS`` chunks, forward and backward. Every program holds the C sizes
-    and the order in registers.
-    ``inverse``: the movement back (the backward; assumes a valid order). ``check``:
-    program 0 asserts on the device that the sizes are >= 0 and sum to at most T and that
-    the order is a permutation; moved probs must not be NaN. No host sync.
-
-    Tiles: ``tuning.sort_chunks_tile`` (``block_h``, ``steps`` and ``max_scan`` override
-    it) and ``SORT_CHUNKS_WARPS`` (``num_warps``), all overridable for the sweep. Byte rows
-    (FP8 bits, e8m0 scales): ``words`` moves them as int32 words where the layout allows;
-    ``sweep sort_chunks --fp8`` (docs/benchmarks.md, "FP8 rows: int32 words, the scan
-    cut, side rows"), % of copy: words against bytes, dsv3 blockwise 90.4 vs 72.2, qwen3,
-    mixtral and gptoss within about a point. ``out`` (tests: poisoned) receives the rows.
-    ``side`` ``[T, NS]`` (the block scales of quantized rows) moves alike into ``side_out``
-    (given by the caller) in the same launch (``qmoe::sort_chunks_rows``); ``side_wide``
-    (default: tiles of at most ``SIDE_WIDE_MAX_COLS`` columns; always ``block_h >= NS``)
-    shapes its tiles as the rows'; ``side_words`` moves byte side rows (e8m0 scales) as
-    int32 words where their layout allows (same section: qwen3next MX 88.7% of copy in
-    words against 73.6 in bytes; dsv3, mixtral and gptoss within half a point)."""
-    from qmoe.ops._kernels.sort_chunks import sort_chunks_kernel
-
-    t, h = inp.shape
-    c = split_sizes.numel()
-    if (side is None) != (side_out is None):
-        raise ValueError("sort_chunks_triton: pass side and side_out together")
-    for name, x in (("out", out), ("side_out", side_out)):
-        if x is not None and not x.is_contiguous():
-            raise ValueError(f"sort_chunks_triton: {name} must be contiguous (the kernel "
-                             "writes rows at a stride of their width); pass a fresh tensor")
-    out = inp.new_empty((t, h)) if out is None else out
-    pp = probs.new_empty((t,)) if probs is not None else inp.new_empty(0)
-    if c == 0:  # no chunks: every row stays
-        out.copy_(inp)
-        if side is not None:
-            side_out.copy_(side)
-        return out, pp.copy_(probs) if probs is not None else pp
-    # the kernel steps columns, probs and the chunk tables by 1 (rows by their stride)
-    inp, probs = unit_stride(inp), unit_stride(probs)
-    split_sizes, sorted_index = split_sizes.contiguous(), sorted_index.contiguous()
-    views = _int32_views(inp, out) if words else None  # byte rows: 4 bytes a lane
-    words = views is not None
-    src, dst = views or (inp, out)
-    hw = src.shape[1]
-    br, bh, steps = sort_chunks_tile(t, hw, src.element_size(), c, words, block_h=block_h,
-                                     steps=steps, max_scan=max_scan)
-    block_c = next_pow2(c)
-    has_s = side is not None
-    side = unit_stride(side)
-    if has_s and side_words:  # (views of the caller's side_out: written in place)
-        side, side_out = _int32_views(side, side_out) or (side, side_out)
-    ns = side.shape[1] if has_s else 0
-    if side_wide is None:
-        side_wide = bh <= SIDE_WIDE_MAX_COLS
-    sort_chunks_kernel[(max(1, cdiv(t, br * steps)), cdiv(max(hw, 1), bh))](
-        src, dst, split_sizes, sorted_index, probs, pp if probs is not None else None, side,
-        side_out if has_s else None, t, hw, c, ns, src.stride(0),
-        side.stride(0) if has_s else None, INVERSE=inverse, CHECK=check,
-        HAS_P=probs is not None, HAS_SIDE=has_s, BLOCK_C=block_c, BLOCK_R=br, BLOCK_H=bh,
-        BLOCK_S=next_pow2(max(ns, 1)), SIDE_WIDE=side_wide and bh >= ns, STEPS=steps,
-        num_warps=num_warps,
-        **assert_options(),  # check_chunks, assert_probs_not_nan
-    )
-    return out, pp
-
-
-def _int32_views(
-    a: torch.Tensor, b: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(a, b)`` (b shaped as a) viewed as int32 words, or None unless both are 1-byte
-    rows that allow it (unit column stride; width, row stride and offset multiples of 4)."""
-    h = a.shape[1]
-    if a.element_size() != 1 or not all(
-            x.stride(1) == 1 and h % 4 == 0 and x.stride(0) % 4 == 0
-            and x.storage_offset() % 4 == 0 for x in (a, b)):
-        return None
-    return a.view(torch.int32), b.view(torch.int32)
 
 
 def chunk_source_rows(
@@ -158,10 +54,21 @@ def _sort_chunks(
     sorted_index: torch.Tensor,
     probs: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out [T, H], probs moved alike [T] or empty)``: torch's gather of the source
+    rows (``chunk_source_rows``)."""
+    src = chunk_source_rows(split_sizes, sorted_index, inp.shape[0])
+    out = inp.index_select(0, src)
+    return out, (probs.index_select(0, src) if probs is not None else inp.new_empty(0))
+
+
+@_sort_chunks.register_cuda
+def _sort_chunks_cuda(inp, split_sizes, sorted_index, probs):
+    """One launch up to ``MAX_KERNEL_CHUNKS`` chunks (it checks the sizes, the order and
+    the probs itself); past that, the source rows then a gather."""
     if one_launch(inp, split_sizes):
         return sort_chunks_triton(inp, split_sizes, sorted_index, probs)
     src = chunk_source_rows(split_sizes, sorted_index, inp.shape[0])
-    out = gather_rows(inp, src)
+    out = gather_rows_triton(inp, src)
     return out, (probs.index_select(0, src) if probs is not None else inp.new_empty(0))
 
 
@@ -171,7 +78,7 @@ def _(inp, split_sizes, sorted_index, probs):  # outputs contiguous whatever inp
     return inp.new_empty(inp.shape), pp
 
 
-def _setup(ctx, inputs, output):
+def _sort_setup(ctx, inputs, output):
     inp, split_sizes, sorted_index, probs = inputs
     ctx.save_for_backward(split_sizes, sorted_index)
     ctx.has_probs = probs is not None
@@ -192,9 +99,6 @@ def _sort_chunks_backward(
     forward checked that the order is a permutation); otherwise (CPU, or more chunks): an
     fp32 ``index_add`` over the forward's source rows (fp64 for fp64 probs), right even if
     ``sorted_index`` repeated a chunk."""
-    if one_launch(grad_out, split_sizes):
-        return sort_chunks_triton(grad_out, split_sizes, sorted_index, grad_probs,
-                                  inverse=True, check=False)
     t = grad_out.shape[0]
     src = chunk_source_rows(split_sizes, sorted_index, t)
     gi = torch.zeros(grad_out.shape, dtype=torch.float32, device=grad_out.device)
@@ -205,6 +109,14 @@ def _sort_chunks_backward(
         gp = torch.zeros(t, dtype=acc, device=grad_probs.device)
         gp = gp.index_add(0, src, grad_probs.to(acc)).to(grad_probs.dtype)
     return gi, gp
+
+
+@_sort_chunks_backward.register_cuda
+def _sort_chunks_backward_cuda(grad_out, split_sizes, sorted_index, grad_probs):
+    if one_launch(grad_out, split_sizes):
+        return sort_chunks_triton(grad_out, split_sizes, sorted_index, grad_probs,
+                                  inverse=True, check=False)
+    return _sort_chunks_backward.fn(grad_out, split_sizes, sorted_index, grad_probs)
 
 
 @_sort_chunks_backward.register_fake
@@ -227,8 +139,8 @@ def _moved_back(op: str):
     return backward
 
 
-_sort_chunks.register_autograd(_moved_back("sort_chunks_backward"), setup_context=_setup)
-_sort_chunks_backward.register_autograd(_moved_back("sort_chunks"), setup_context=_setup)
+_sort_chunks.register_autograd(_moved_back("sort_chunks_backward"), setup_context=_sort_setup)
+_sort_chunks_backward.register_autograd(_moved_back("sort_chunks"), setup_context=_sort_setup)
 
 
 @define(
@@ -246,13 +158,18 @@ def _sort_chunks_rows(
     rows with side rows (the block scales of quantized rows) moved alike. On CUDA one
     launch (the scale rows ride in the bits' programs); elsewhere two sorts. Called by the
     quantized types' passthrough rule of ``qmoe::sort_chunks``, below autograd."""
+    out, pp = torch.ops.qmoe.sort_chunks(inp, split_sizes, sorted_index, probs)
+    return out, torch.ops.qmoe.sort_chunks(side, split_sizes, sorted_index, None)[0], pp
+
+
+@_sort_chunks_rows.register_cuda
+def _sort_chunks_rows_cuda(inp, side, split_sizes, sorted_index, probs):
     if one_launch(inp, split_sizes):
         so = side.new_empty(side.shape)
         out, pp = sort_chunks_triton(inp, split_sizes, sorted_index, probs, side,
                                      side_out=so)
         return out, so, pp
-    out, pp = torch.ops.qmoe.sort_chunks(inp, split_sizes, sorted_index, probs)
-    return out, torch.ops.qmoe.sort_chunks(side, split_sizes, sorted_index, None)[0], pp
+    return _sort_chunks_rows.fn(inp, side, split_sizes, sorted_index, probs)
 
 
 @_sort_chunks_rows.register_fake

@@ -1,8 +1,12 @@
 """Every launch tiling and size threshold of qmoe.ops' kernels, in one place.
 
-The launchers (``backend``, ``row_id_map``, ``permute_mask``, ``permute_index``,
-``sort_chunks``, ``quantize_permute``, ``unpermute``) take their tiles from here, and the
-ops the thresholds between their paths. Each constant has one comment line: what it is
+The launchers (``qmoe.ops.kernels``: ``row_id_map``, ``permute``, ``permute_mask``,
+``permute_index``, ``unpermute``, ``sort_chunks``, ``quantize_permute``) take their tiles
+from here, and the ops the thresholds between their paths. A launcher takes the tensors
+and an optional tiling object (``MaskMapTiling``, ``FusedMaskTiling``,
+``PermuteIndexTiling``, ``QuantizePermuteTiling``, ``SortChunksTiling``,
+``MergeBackwardTiling``): a field left ``None`` takes the default rule below, so sweeps and
+tests override only what they vary. Each constant has one comment line: what it is
 and the benchmark command that chose it, with its section of docs/benchmarks.md where one
 measured it; each function's docstring gives its rule the same way. The quantize kernel's
 tiling is in ``qmoe.tensors.tuning`` (qmoe.tensors does not import qmoe.ops). Plain Python:
@@ -14,6 +18,7 @@ columns, C chunks.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -312,3 +317,98 @@ def quantize_permute_columns(h: int, tile: int | None, steps: int | None) -> tup
     if steps is None:
         steps = 0 if h < 4096 else 1
     return tile, steps
+
+
+# ------------------------------------------------------------------- tiling objects
+
+
+@dataclass(frozen=True)
+class MaskMapTiling:
+    """Overrides of ``kernels.row_id_map.mask_rows_triton``: ``block_t``, ``num_warps``,
+    ``prefetch`` (``map_tiling``'s when None); ``one_launch`` forces the one-launch form on
+    or off (default: ``small_mask``); ``pdl`` launches the scan and the map pass as
+    programmatic dependents (off: ``python -m benchmarks sweep map --pdl 0,1``)."""
+
+    block_t: int | None = None
+    num_warps: int | None = None
+    prefetch: int | None = None
+    one_launch: bool | None = None
+    pdl: bool = False
+
+
+@dataclass(frozen=True)
+class FusedMaskTiling:
+    """Overrides of the fused mask permute (``kernels.permute_mask.permute_mask_triton``):
+    ``block_t`` and ``map_warps`` of the count pass (``fused_map_tiling``'s), ``num_warps``
+    (``FUSED_WARPS``), ``tokens`` a program (``FUSED_TOKENS``; must divide ``block_t``),
+    ``reg_routes`` (``reg_routes_flag``), ``block_h`` (``scatter_tile``'s), ``one_launch``
+    (``small_mask``), ``pdl`` (``launch.pdl_default``)."""
+
+    block_t: int | None = None
+    map_warps: int | None = None
+    num_warps: int | None = None
+    tokens: int | None = None
+    reg_routes: bool | None = None
+    block_h: int | None = None
+    one_launch: bool | None = None
+    pdl: bool | None = None
+
+
+@dataclass(frozen=True)
+class PermuteIndexTiling:
+    """Overrides of the fused index permute (``kernels.permute_index``): ``block_t``
+    tokens per count block (``FUSED_INDEX_BLOCK_T``), ``num_warps`` (``FUSED_INDEX_WARPS``),
+    ``pdl`` (``launch.pdl_default``)."""
+
+    block_t: int | None = None
+    num_warps: int | None = None
+    pdl: bool | None = None
+
+
+@dataclass(frozen=True)
+class QuantizePermuteTiling:
+    """Overrides of the fused quantize-permute launchers (``kernels.quantize_permute``):
+    ``tile`` row elements a step and ``steps`` a program (0: the whole row;
+    ``quantize_permute_columns``, or ``MASK_QUANT_TILE`` / ``MASK_QUANT_STEPS`` for the
+    map-building kernel), ``kb`` routes a step (``QUANT_PERMUTE_KB``), ``num_warps``
+    (``QUANT_PERMUTE_WARPS``); the map-building kernel also takes ``block_t`` and
+    ``map_warps`` of its count pass, ``one_launch``, ``reg_routes`` and ``pdl`` as
+    ``FusedMaskTiling``."""
+
+    tile: int | None = None
+    steps: int | None = None
+    kb: int | None = None
+    num_warps: int | None = None
+    block_t: int | None = None
+    map_warps: int | None = None
+    one_launch: bool | None = None
+    reg_routes: bool | None = None
+    pdl: bool | None = None
+
+
+@dataclass(frozen=True)
+class SortChunksTiling:
+    """Overrides of the chunk sort (``kernels.sort_chunks.sort_chunks_triton``):
+    ``block_h``, ``steps`` and ``max_scan`` (``sort_chunks_tile``'s), ``num_warps``
+    (``SORT_CHUNKS_WARPS``); ``words``: byte rows move as int32 words where the layout
+    allows; ``side_wide``: side rows take the rows' tile shape (default: row tiles of at
+    most ``SIDE_WIDE_MAX_COLS`` columns); ``side_words``: byte side rows as int32 words."""
+
+    block_h: int | None = None
+    steps: int | None = None
+    max_scan: int | None = None
+    num_warps: int | None = None
+    words: bool = True
+    side_wide: bool | None = None
+    side_words: bool = True
+
+
+@dataclass(frozen=True)
+class MergeBackwardTiling:
+    """Overrides of the merge backward (``kernels.unpermute.merge_backward_triton``):
+    ``kb`` routes a step, ``block_h`` columns a tile, ``num_warps``
+    (``merge_backward_tile``'s)."""
+
+    kb: int | None = None
+    block_h: int | None = None
+    num_warps: int | None = None

@@ -4,69 +4,36 @@ from __future__ import annotations
 
 import torch
 
-from qmoe._intmath import next_pow2
 from qmoe._library import define
 from qmoe.ops import checks as C
-from qmoe.ops.backend import (
-    merge_weight_grad,
-    permute_rows,
-    unit_stride,
-    unpermute_rows,
-    zero_unwritten_rows,
+from qmoe.ops import torch_impl
+from qmoe.ops.kernels.permute import permute_rows_triton
+from qmoe.ops.kernels.unpermute import (
+    merge_backward_triton,
+    unpermute_fp8_triton,
+    unpermute_rows_triton,
 )
-from qmoe.ops.row_id_map import num_slots
-from qmoe.ops.tuning import merge_backward_tile
+from qmoe.ops.launch import num_slots
+from qmoe.tensors.base import QuantizedTensor
+from qmoe.tensors.layouts import FP8_PER_TENSOR
 
 
 @define("unpermute(Tensor inp, Tensor row_id_map, Tensor? merging_probs) -> Tensor")
 def _unpermute(
     inp: torch.Tensor, row_id_map: torch.Tensor, merging_probs: torch.Tensor | None
 ) -> torch.Tensor:
-    return unpermute_rows(inp, row_id_map, merging_probs)
+    """``[T, H]``: each token's rows of ``inp [N, H]`` (times ``merging_probs [T, P]`` at
+    their columns) summed in fp32, in inp's dtype. Torch (CPU); one Triton launch on
+    CUDA."""
+    return torch_impl.unpermute_rows(inp, row_id_map, merging_probs)
+
+
+_unpermute.register_cuda(unpermute_rows_triton)
 
 
 @_unpermute.register_fake
 def _(inp, row_id_map, merging_probs):
     return inp.new_empty((row_id_map.shape[0], inp.shape[1]))
-
-
-def merge_backward_triton(
-    grad_out: torch.Tensor,
-    fwd_inp: torch.Tensor,
-    row_id_map: torch.Tensor,
-    merging_probs: torch.Tensor,
-    *,
-    kb: int | None = None,
-    block_h: int | None = None,
-    num_warps: int | None = None,
-    out: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Both gradients of the weighted merge in one pass (CUDA, or CPU under the
-    interpreter): ``(grad_inp [N, H] in grad_out's dtype, grad_merging_probs [T, P] in
-    merging_probs' dtype)`` for ``grad_out [T, H]``, the merge's input ``fwd_inp [N, H]``
-    and ``merging_probs [T, P]``. Rows no token reads are zero (flagged, then zeroed by a
-    second launch). ``kb``/``block_h``/``num_warps`` override ``merge_backward_tile``'s routes a
-    step, columns a tile and warps (benchmarks); ``out`` (tests: poisoned) receives
-    ``grad_inp``. No host sync."""
-    from qmoe.ops._kernels.unpermute import merge_backward_kernel
-
-    t, h = grad_out.shape
-    n, p = fwd_inp.shape[0], merging_probs.shape[1]
-    gi = grad_out.new_empty((n, h)) if out is None else out
-    gw = merging_probs.new_empty((t, p))
-    if t == 0:
-        return gi.zero_(), gw
-    merging_probs, row_id_map = unit_stride(merging_probs), row_id_map.contiguous()
-    tkb, tbh, tnw = merge_backward_tile(h, p)
-    written = torch.zeros(n, dtype=torch.int8, device=grad_out.device)
-    merge_backward_kernel[(t,)](
-        grad_out.contiguous(), fwd_inp.contiguous(), row_id_map, merging_probs, gi, written,
-        gw, n, h, num_slots(row_id_map), p, merging_probs.stride(0), KB=kb or tkb,
-        BLOCK_H=block_h or tbh, BLOCK_P=next_pow2(p), num_warps=num_warps or tnw,
-    )
-    if n:
-        zero_unwritten_rows(gi, written)
-    return gi, gw
 
 
 @define(
@@ -83,14 +50,22 @@ def _unpermute_backward(
     """``grad_inp [N, H]`` (grad_out[t] * weight at each of t's rows, zero on rows no
     token reads) and ``grad_merging_probs [T, P]`` (``<grad_out[t], inp[row]>``,
     accumulated in fp32; in fp64, rounded once, by the C++ CPU kernel; empty without
-    merging_probs or fwd_inp)."""
-    if grad_out.is_cuda and merging_probs is not None and fwd_inp is not None:
-        return merge_backward_triton(grad_out, fwd_inp, row_id_map, merging_probs)
-    grad_inp = permute_rows(grad_out, row_id_map, num_rows, merging_probs)
+    merging_probs or fwd_inp). Torch (CPU); ``_unpermute_backward_cuda`` on CUDA."""
+    grad_inp = torch_impl.permute_rows(grad_out, row_id_map, num_rows, merging_probs)
     if merging_probs is None or fwd_inp is None:
         return grad_inp, grad_out.new_empty(0)
-    gw = merge_weight_grad(grad_out, fwd_inp, row_id_map, merging_probs.shape[1])
+    gw = torch_impl.merge_weight_grad(grad_out, fwd_inp, row_id_map, merging_probs.shape[1])
     return grad_inp, gw.to(merging_probs.dtype)
+
+
+@_unpermute_backward.register_cuda
+def _unpermute_backward_cuda(grad_out, row_id_map, merging_probs, fwd_inp, num_rows):
+    """Both gradients in one launch (``merge_backward_triton``) with the weights and the
+    forward input; else the weighted scatter alone. No host sync."""
+    if merging_probs is not None and fwd_inp is not None:
+        return merge_backward_triton(grad_out, fwd_inp, row_id_map, merging_probs)
+    grad_inp = permute_rows_triton(grad_out, row_id_map, num_rows, merging_probs)
+    return grad_inp, grad_out.new_empty(0)
 
 
 @_unpermute_backward.register_fake
@@ -121,8 +96,6 @@ def _route_weights(rid: torch.Tensor, w: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def _plain_fp32(x: torch.Tensor) -> torch.Tensor:
-    from qmoe.tensors.base import QuantizedTensor
-
     return x.dequantize(torch.float32) if isinstance(x, QuantizedTensor) else x.float()
 
 
@@ -155,7 +128,7 @@ def _backward_backward(ctx, u_gi, u_gw):
 _unpermute_backward.register_autograd(_backward_backward, setup_context=_setup_backward)
 
 
-def _setup(ctx, inputs, output):
+def _merge_setup(ctx, inputs, output):
     inp, row_id_map, merging_probs = inputs
     ctx.num_rows = inp.shape[0]
     ctx.inp_dtype = inp.dtype
@@ -163,7 +136,7 @@ def _setup(ctx, inputs, output):
     ctx.save_for_backward(row_id_map, merging_probs, inp if need_w else None)
 
 
-def _backward(ctx, grad):
+def _merge_backward(ctx, grad):
     row_id_map, merging_probs, fwd_inp = ctx.saved_tensors
     gi, gw = torch.ops.qmoe.unpermute_backward(
         grad.contiguous(), row_id_map, merging_probs, fwd_inp, ctx.num_rows
@@ -171,7 +144,7 @@ def _backward(ctx, grad):
     return gi.to(ctx.inp_dtype), None, (gw if fwd_inp is not None else None)
 
 
-_unpermute.register_autograd(_backward, setup_context=_setup)
+_unpermute.register_autograd(_merge_backward, setup_context=_merge_setup)
 
 
 @C.user_errors
@@ -306,3 +279,63 @@ def _rows_named_once(row_id_map: torch.Tensor, n: int) -> torch.Tensor:
     hits = torch.zeros(n + 1, dtype=torch.int32, device=rows.device)
     hits.scatter_add_(0, idx, torch.ones_like(idx, dtype=torch.int32))
     return (hits[:n] <= 1).all()
+
+
+@define(
+    "unpermute_fp8(Tensor qbits, Tensor scale, Tensor row_id_map, Tensor? merging_probs, "
+    "int layout, int block_size, ScalarType fp8_dtype, ScalarType out_dtype) -> Tensor"
+)
+def _unpermute_fp8(qbits, scale, row_id_map, merging_probs, layout, block_size, fp8_dtype,
+                   out_dtype):
+    """``[T, H]`` in ``out_dtype``: the merge of quantized rows ``qbits [N, H]`` (uint8 fp8
+    bits; ``scale`` in ``layout``), each dequantized and summed in fp32. Torch (CPU); one
+    Triton launch on CUDA, the rows dequantized inside the merge kernel."""
+    _check_fp8_scale(qbits, scale, layout, block_size)
+    return torch_impl.unpermute_fp8_rows(qbits, scale, layout, block_size, fp8_dtype,
+                                         row_id_map, merging_probs, out_dtype)
+
+
+@_unpermute_fp8.register_cuda
+def _unpermute_fp8_cuda(qbits, scale, row_id_map, merging_probs, layout, block_size,
+                        fp8_dtype, out_dtype):
+    _check_fp8_scale(qbits, scale, layout, block_size)
+    return unpermute_fp8_triton(qbits, scale, layout, block_size, fp8_dtype, row_id_map,
+                                merging_probs, out_dtype)
+
+
+def _check_fp8_scale(qbits, scale, layout, block_size) -> None:
+    if layout != FP8_PER_TENSOR:  # the kernels index scale rows by block (metadata check)
+        nb = -(-qbits.shape[1] // max(block_size, 1))
+        if block_size < 1 or scale.dim() != 2 or tuple(scale.shape) != (qbits.shape[0], nb):
+            raise ValueError(
+                f"qmoe::unpermute_fp8: block scales must be [N, ceil(H / block_size)] = "
+                f"[{qbits.shape[0]}, {nb}], got {tuple(scale.shape)} (block_size {block_size})"
+            )
+
+
+@_unpermute_fp8.register_fake
+def _(qbits, scale, row_id_map, merging_probs, layout, block_size, fp8_dtype, out_dtype):
+    return qbits.new_empty((row_id_map.shape[0], qbits.shape[1]), dtype=out_dtype)
+
+
+def probs_grad(rid: torch.Tensor, grad_probs: torch.Tensor, t: int, p: int, dtype):
+    """``[T, P]`` gradient of the probs from that of ``permuted_probs`` ``[N]``."""
+    s = num_slots(rid)
+    dst = rid[:, :s].long()
+    vals = torch.where(dst >= 0, grad_probs[dst.clamp(min=0)] if grad_probs.numel() else 0, 0)
+    gp = torch.zeros(t, p + 1, dtype=dtype, device=rid.device)
+    cols = torch.where(dst >= 0, rid[:, s : 2 * s].long(), p)  # unused slots: scratch col
+    gp.scatter_(1, cols, vals.to(dtype))
+    return gp[:, :p]
+
+
+def permute_grads(rid, grad_out, grad_probs, probs_meta):
+    """``(grad of inp [T, H], grad of probs [T, P] or None)`` of a permute by ``rid`` (the
+    merge of the rows' gradient: every permute's backward, fused or not);
+    ``probs_meta``: ``(probs shape, dtype)``, or None without probs."""
+    grad_inp = _unpermute(grad_out.contiguous(), rid, None)
+    gp = None
+    if probs_meta is not None and grad_probs is not None:
+        (t, p), dtype = probs_meta
+        gp = probs_grad(rid, grad_probs, t, p, dtype)
+    return grad_inp, gp

@@ -37,6 +37,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from qmoe.tensors.layouts import FP8_DTYPES, HP_DTYPES
+from qmoe.tensors.serialization import set_state, validate
 
 aten = torch.ops.aten
 
@@ -356,8 +357,6 @@ class QuantizedTensor(torch.Tensor):
 
         Differentiable: the gradient passes straight through to this tensor.
         """
-        from qmoe.tensors.quantize import _Dequantize
-
         return _Dequantize.apply(self, dtype)
 
     # ------------------------------------------------------- tracing support
@@ -395,8 +394,6 @@ class QuantizedTensor(torch.Tensor):
         host sync on CUDA), so it runs at load time and in ``copy.deepcopy``, not in the
         constructor, which every op calls. Call it on tensors you build from outside
         data."""
-        from qmoe.tensors.serialization import validate
-
         validate(self)
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -424,8 +421,6 @@ class QuantizedTensor(torch.Tensor):
         (``qmoe.tensors.serialization.set_state``): torch's ``_rebuild_from_type_v2``
         calls this after building the tensor, for every load (``weights_only`` or not,
         plain ``pickle``, ``copy.copy``)."""
-        from qmoe.tensors.serialization import set_state
-
         set_state(self, state)
 
     def __tensor_flatten__(self) -> tuple[list[str], tuple[Any, ...]]:
@@ -494,3 +489,24 @@ class QuantizedTensor(torch.Tensor):
             stacklevel=1,  # one location, so the warnings registry shows each op once
         )
         return func(*tree_map(_dequantize_arg, args), **tree_map(_dequantize_arg, kwargs))
+
+
+class _Dequantize(torch.autograd.Function):
+    """``QuantizedTensor.dequantize``: straight-through gradient, in the input's dtype."""
+
+    @staticmethod
+    def forward(ctx, q, dtype):
+        ctx.orig_dtype = q.dtype
+        return q._dequantize_raw(dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return plain_grad(grad).to(ctx.orig_dtype), None
+
+
+def plain_grad(t: torch.Tensor) -> torch.Tensor:
+    """A gradient in high precision. Eager only: under compile AOTAutograd guesses tangents
+    of a subclass output to be that subclass, so Dynamo must not branch on the type."""
+    if not torch.compiler.is_compiling() and isinstance(t, QuantizedTensor):
+        return t._dequantize_raw()
+    return t

@@ -17,8 +17,8 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # Scale modes: the SCALE_MODE constexpr of the quantize kernels (``quantize_tile`` in
-# qmoe/tensors/_kernels/quantize.py, which compares against these numbers) and of the C++
-# kernels (csrc/, the same numbers).
+# qmoe/tensors/kernels/quantize.py compares against these names as ``tl.constexpr``) and
+# of the C++ kernels (csrc/, the same numbers).
 SCALE_AMAX = 0  # scale = max(amax, EPS) / FP8_MAX, fp32
 SCALE_POW2 = 1  # the same, rounded up to a power of two, fp32
 SCALE_MX_FLOOR = 2  # OCP MX v1.0: 2 ** (floor(log2(amax)) - EMAX_ELEM), e8m0 byte
@@ -30,9 +30,16 @@ SCALE_MODES = MappingProxyType({"amax": SCALE_AMAX, "pow2": SCALE_POW2,
                                 "mx_floor": SCALE_MX_FLOOR, "mx_rceil": SCALE_MX_RCEIL})
 #: The modes whose scales are e8m0 bytes (``uint8``).
 E8M0_MODES = frozenset({"mx_floor", "mx_rceil"})
+#: Smallest amax a block scale is computed from, so all-zero blocks get a finite scale.
+EPS = 1e-12
+
+
+def scale_dtype(scale_mode: str) -> torch.dtype:
+    """The dtype of a block mode's scales: e8m0 bytes as ``uint8`` for MX, else fp32."""
+    return torch.uint8 if scale_mode in E8M0_MODES else torch.float32
 
 # Scale layouts of quantized rows: ``qmoe::unpermute_fp8``'s ``layout`` (its Triton
-# kernel's LAYOUT, which compares against these numbers, and the C++ kernel's).
+# kernel's LAYOUT, which compares against these names, and the C++ kernel's).
 FP8_PER_TENSOR = 0  # one fp32 scale for all rows (Float8Tensor)
 FP8_BLOCK_FP32 = 1  # fp32 block scales, a row of them per data row (Float8BlockwiseTensor)
 FP8_BLOCK_E8M0 = 2  # e8m0 block scale bytes, a row of them per data row (MXFP8Tensor)

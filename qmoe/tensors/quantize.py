@@ -15,7 +15,7 @@ backward is straight-through (the gradient reaches ``x`` unchanged, in its dtype
   sync).
 
 On CPU the first two run the C++ kernels (``csrc/``, when built) or else the torch
-reference below; on CUDA the Triton kernel in ``qmoe/tensors/_kernels/quantize.py``. The
+reference below; on CUDA the Triton kernel in ``qmoe/tensors/kernels/quantize.py``. The
 scale op is torch code on every device.
 """
 
@@ -25,30 +25,24 @@ import torch
 
 from qmoe._intmath import cdiv
 from qmoe._library import define
-from qmoe.tensors.base import QuantizedTensor
+from qmoe.tensors.base import QuantizedTensor, plain_grad
+from qmoe.tensors.kernels.quantize import quantize_rows_triton
 from qmoe.tensors.layouts import (
-    E8M0_MODES,
+    EPS,
     FP8_DTYPES,
     HP_DTYPES,
     OP_BLOCK_SIZES,
-    SCALE_GIVEN,
     SCALE_MODES,
     emax_elem,
-    fp8_fields,
+    scale_dtype,
 )
 from qmoe.tensors.recipes import MXFP8, Blockwise, PerTensor, Recipe, fp8_max
-from qmoe.tensors.tuning import PER_TENSOR_BLOCK, quantize_rows_tile
+from qmoe.tensors.tuning import PER_TENSOR_BLOCK
 from qmoe.tensors.types import Float8BlockwiseTensor, Float8Tensor, MXFP8Tensor
 
-__all__ = ["quantize", "dequantize", "quantize_reference", "quantize_rows_triton"]
+__all__ = ["quantize", "dequantize", "quantize_reference"]
 
-EPS = 1e-12  # smallest amax used for a scale, so all-zero blocks get a finite scale
 _F32_MIN_NORMAL = 2.0**-126
-
-
-def scale_dtype(scale_mode: str) -> torch.dtype:
-    """The dtype of a block mode's scales: e8m0 bytes as ``uint8`` for MX, else fp32."""
-    return torch.uint8 if scale_mode in E8M0_MODES else torch.float32
 
 
 def _pow2_ceil(s: torch.Tensor) -> torch.Tensor:
@@ -62,10 +56,6 @@ def _canonical_nan(s: torch.Tensor) -> torch.Tensor:
     return torch.where(s.isnan(), float("nan"), s)
 
 
-def _num_blocks(h: int, block_size: int) -> int:
-    return -(-h // block_size)
-
-
 # --------------------------------------------------------------------- reference
 def _saturate_cast(y: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     """Saturate to +-fp8_max and round to nearest even. Every NaN becomes the positive
@@ -77,7 +67,7 @@ def _saturate_cast(y: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
 
 def _reference_blocks(x, block_size, fp8_dtype, scale_mode):
     h = x.shape[-1]
-    nb = _num_blocks(h, block_size)
+    nb = cdiv(h, block_size)
     xf = x.float()
     pad = nb * block_size - h
     if pad:
@@ -163,74 +153,6 @@ def quantize_reference(x: torch.Tensor, recipe: Recipe, scale: torch.Tensor | No
     return q, s.view(torch.float8_e8m0fnu) if isinstance(recipe, MXFP8) else s
 
 
-# ------------------------------------------------------------------------ triton
-def quantize_rows_triton(
-    x: torch.Tensor,
-    block_size: int,
-    fp8_dtype: torch.dtype,
-    scale_mode: str,
-    scale: torch.Tensor | None = None,
-    *,
-    out: tuple[torch.Tensor, torch.Tensor] | None = None,
-    tile: tuple[int, int, int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the Triton kernel on ``x`` ``[..., H]`` (CUDA, or CPU under TRITON_INTERPRET=1).
-
-    ``scale_mode`` is ``"amax"``, ``"pow2"``, ``"mx_floor"``, ``"mx_rceil"`` or ``"given"``
-    (per-tensor, ``scale`` a ``[]`` fp32 tensor; ``block_size`` is then only the tile
-    width). Returns ``(qdata, scale)``; for the MX modes the scale is e8m0 bits as ``uint8``.
-    ``out``: preallocated ``(qdata, scale)`` to write into. ``tile``: ``(block_r, groups,
-    num_warps)`` overriding the default tiling (for sweeps; results do not depend on it).
-    No host sync.
-    """
-    from qmoe.tensors._kernels.quantize import quantize_rows_kernel
-
-    h = x.shape[-1]
-    nb = _num_blocks(h, block_size)
-    if scale_mode == "given":
-        mode = SCALE_GIVEN
-        q = torch.empty(x.shape, dtype=fp8_dtype, device=x.device) if out is None else out[0]
-        s_out = scale
-    else:
-        mode = SCALE_MODES[scale_mode]
-        sdt = scale_dtype(scale_mode)
-        if out is None:
-            q = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
-            s_out = torch.empty((*x.shape[:-1], nb), dtype=sdt, device=x.device)
-        else:
-            q, s_out = out
-    if q.numel() == 0:  # (before the reshape: [..., 0] gives no row count to infer)
-        return q, s_out
-    x2 = x.reshape(-1, h)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    r = x2.shape[0]
-    block_r, groups, num_warps = quantize_rows_tile(block_size, nb) if tile is None else tile
-    grid = (cdiv(r, block_r), cdiv(nb, groups))
-    mb, bias = fp8_fields(fp8_dtype)
-    quantize_rows_kernel[grid](
-        x2,
-        q.view(torch.uint8),
-        s_out,
-        r,
-        h,
-        nb,
-        x2.stride(0),
-        FP8_MAX=fp8_max(fp8_dtype),
-        EMAX_ELEM=emax_elem(fp8_dtype),
-        EPS=EPS,
-        SCALE_MODE=mode,
-        MB=mb,
-        BIAS=bias,
-        HW_CAST=x.is_cuda,
-        BS=block_size,
-        GROUPS=groups,
-        BLOCK_R=block_r,
-        num_warps=num_warps,
-    )
-    return q, s_out
-
-
 # -------------------------------------------------------------------- custom ops
 def check_op_dtypes(op: str, x: torch.Tensor, fp8_dtype: torch.dtype) -> None:
     """The direct ops' dtypes (``qmoe.quantize`` checks them before), as the C++ ops do."""
@@ -261,17 +183,23 @@ def check_block_args(x, block_size, fp8_dtype, scale_mode, op="quantize_blocks")
 def _quantize_blocks(
     x: torch.Tensor, block_size: int, fp8_dtype: torch.dtype, scale_mode: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(qdata [..., H] fp8, scale [..., ceil(H / block_size)])`` (fp32, or e8m0 bits as
+    uint8 for the MX modes). Torch (CPU); one Triton launch on CUDA."""
     check_block_args(x, block_size, fp8_dtype, scale_mode)
-    if x.is_cuda:
-        return quantize_rows_triton(x, block_size, fp8_dtype, scale_mode)
     return _reference_blocks(x, block_size, fp8_dtype, scale_mode)
+
+
+@_quantize_blocks.register_cuda
+def _quantize_blocks_cuda(x, block_size, fp8_dtype, scale_mode):
+    check_block_args(x, block_size, fp8_dtype, scale_mode)
+    return quantize_rows_triton(x, block_size, fp8_dtype, scale_mode)
 
 
 @_quantize_blocks.register_fake
 def _(x, block_size, fp8_dtype, scale_mode):
     check_block_args(x, block_size, fp8_dtype, scale_mode)
     sdt = scale_dtype(scale_mode)
-    nb = _num_blocks(x.shape[-1], block_size)
+    nb = cdiv(x.shape[-1], block_size)
     return (
         torch.empty(x.shape, dtype=fp8_dtype, device=x.device),
         x.new_empty((*x.shape[:-1], nb), dtype=sdt),
@@ -282,10 +210,16 @@ def _(x, block_size, fp8_dtype, scale_mode):
 def _quantize_with_scale(
     x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype
 ) -> torch.Tensor:
+    """``qdata [..., H]`` fp8: ``x / scale`` saturated (``scale`` one fp32 element). Torch
+    (CPU); one Triton launch on CUDA."""
     check_op_dtypes("quantize_with_scale", x, fp8_dtype)
-    if x.is_cuda:
-        return quantize_rows_triton(x, PER_TENSOR_BLOCK, fp8_dtype, "given", scale.float())[0]
     return _saturate_cast(x.float() / scale.float(), fp8_dtype)
+
+
+@_quantize_with_scale.register_cuda
+def _quantize_with_scale_cuda(x, scale, fp8_dtype):
+    check_op_dtypes("quantize_with_scale", x, fp8_dtype)
+    return quantize_rows_triton(x, PER_TENSOR_BLOCK, fp8_dtype, "given", scale.float())[0]
 
 
 @_quantize_with_scale.register_fake
@@ -322,25 +256,6 @@ class _Quantize(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return plain_grad(grad), None, None
-
-
-class _Dequantize(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, dtype):
-        ctx.orig_dtype = q.dtype
-        return q._dequantize_raw(dtype)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return plain_grad(grad).to(ctx.orig_dtype), None
-
-
-def plain_grad(t: torch.Tensor) -> torch.Tensor:
-    """A gradient in high precision. Eager only: under compile AOTAutograd guesses tangents
-    of a subclass output to be that subclass, so Dynamo must not branch on the type."""
-    if not torch.compiler.is_compiling() and isinstance(t, QuantizedTensor):
-        return t._dequantize_raw()
-    return t
 
 
 def quantize(

@@ -72,8 +72,6 @@ def validate(t: QuantizedTensor) -> None:
     for meta and fake tensors and while compiling. Call it on tensors you build from
     outside data.
     """
-    from qmoe.tensors.base import QuantizedTensor
-
     name = type(t).__name__
     d = vars(t)
     missing = [n for n in t._fields if n not in d]
@@ -82,7 +80,9 @@ def validate(t: QuantizedTensor) -> None:
                          f"built without its fields; {_FILE_FIX}")
     for n in t.tensor_data_names:
         inner = d[n]
-        if not isinstance(inner, torch.Tensor) or isinstance(inner, QuantizedTensor):
+        # a quantized inner tensor (any QuantizedTensor has the class attribute _fields;
+        # this module does not import base, which imports it)
+        if not isinstance(inner, torch.Tensor) or hasattr(type(inner), "_fields"):
             raise TypeError(f"{name}: {n} must be a plain tensor, got {type(inner).__name__}")
     for n in t._field_names - t._fields:  # class constants (block_size)
         if n in d:

@@ -45,15 +45,14 @@ def map_then_permute(x, routing_map, n, is_index, align, probs=None, side=None):
     """The two-step CPU path that the fused permute kernels must equal: ``make_row_id_map``
     then the torch permute of rows, probs and side rows; ``(out, pp or None, side_out or
     None, row_id_map)``."""
-    from qmoe.ops import backend as B
+    from qmoe.ops import torch_impl as TI
     from qmoe.ops.row_id_map import make_row_id_map
 
     rid, _ = make_row_id_map(routing_map.cpu(), n, is_index, align)
     pp = torch.empty(n, dtype=probs.dtype) if probs is not None else None
     so = torch.empty(n, side.shape[1], dtype=side.dtype) if side is not None else None
-    out = B.permute_rows(x.cpu(), rid, n, probs=None if probs is None else probs.cpu(),
-                         probs_out=pp, side=None if side is None else side.cpu(), side_out=so,
-                         use_triton=False)
+    out = TI.permute_rows(x.cpu(), rid, n, probs=None if probs is None else probs.cpu(),
+                         probs_out=pp, side=None if side is None else side.cpu(), side_out=so)
     return out, pp, so, rid
 
 
@@ -114,3 +113,14 @@ def last_routed_row(mask, align):
     padded = (counts + align - 1) // align * align
     starts = torch.cumsum(padded, 0) - padded
     return int((starts + counts)[counts > 0].max()) if bool((counts > 0).any()) else 0
+
+
+def mask_map_triton(mask, n, align, tiling=None):
+    """``(row_id_map, fill)`` of a ``[T, E]`` mask (T, E >= 1) from the map's Triton
+    launches, ``fill`` allocated as ``make_row_id_map`` does; ``tiling`` a ``MaskMapTiling``."""
+    from qmoe.ops.kernels.row_id_map import mask_rows_triton
+    from qmoe.ops.launch import fill_count
+
+    fill = torch.empty((fill_count(mask, False, align), 2), dtype=torch.int32,
+                       device=mask.device)
+    return mask_rows_triton(mask, n, align, fill, tiling), fill

@@ -165,8 +165,9 @@ def test_mx_merge_of_tiny_blocks(request, path, fp8):
     ``op``: ``moe_unpermute`` on this machine's path (CPU: the C++ kernels when built);
     ``torch`` / ``triton``: the merge launcher on the torch path (the CPU fallback: CPU
     tensors) / the Triton kernel."""
-    from qmoe.ops import backend as B
-    from qmoe.ops.fp8 import _bits, _layout
+    from qmoe.ops import torch_impl as TI
+    from qmoe.ops.fp8 import bits_of, scale_layout
+    from qmoe.ops.kernels import unpermute as KU
 
     dev = {"triton": request.getfixturevalue("kdevice"), "torch": "cpu"}.get(path, DEV)
     x, _ = tiny_mx_blocks(fp8)
@@ -177,8 +178,8 @@ def test_mx_merge_of_tiny_blocks(request, path, fp8):
     def merge(q, rid):
         if path == "op":
             return qmoe.moe_unpermute(q, rid, half)
-        return B.unpermute_fp8_rows(_bits(q), q.raw_scale, _layout(q), 32, fp8, rid, half,
-                                    torch.float32, use_triton=path == "triton")
+        fn = KU.unpermute_fp8_triton if path == "triton" else TI.unpermute_fp8_rows
+        return fn(bits_of(q), q.raw_scale, scale_layout(q), 32, fp8, rid, half, torch.float32)
 
     out, rid = qmoe.moe_permute(qmoe.quantize(x.to(dev), qmoe.MXFP8(fp8)), mask, 2 * t)
     assert torch.equal(merge(out, rid).cpu(), x)

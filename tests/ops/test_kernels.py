@@ -12,10 +12,14 @@ import pytest
 import torch
 
 from qmoe._intmath import next_pow2
-from qmoe.ops import backend as B
+from qmoe.ops import torch_impl as TI
 from qmoe.ops import tuning as T
+from qmoe.ops.kernels import permute as KP
+from qmoe.ops.kernels import sort_chunks as KS
+from qmoe.ops.kernels import unpermute as KU
 from qmoe.ops.row_id_map import make_row_id_map
-from tests.ops.helpers import assert_merge_close, merge_fp64, routing
+from qmoe.ops.tuning import MaskMapTiling
+from tests.ops.helpers import assert_merge_close, mask_map_triton, merge_fp64, routing
 from tests.tensors.helpers import assert_same_bits
 
 
@@ -48,31 +52,31 @@ def test_permute_unpermute_kernels(kdevice, t, h, e, k, kind, extra, map_type):
         # Rows no route writes are zeroed by a flagged second pass (fill=None, as for maps
         # built elsewhere) or inside the scatter launch from the map's fill ranges.
         for weights, f in ((None, None), (w, None), (None, fill), (w, fill)):
-            got = B.permute_rows(x, rid, n, weights, use_triton=True, fill=f,
+            got = KP.permute_rows_triton(x, rid, n, weights, fill=f,
                                  out=_poison((n, h), dtype, kdevice))
-            assert_same_bits(got, B.permute_rows(x, rid, n, weights, use_triton=False))
+            assert_same_bits(got, TI.permute_rows(x, rid, n, weights))
         # Permuted probs and side rows (block scales) ride in the same pass (into poison).
         side = torch.randn(t, 5, device=kdevice)
         for sd, f in ((side, None), (side.view(torch.uint8)[:, :7], None), (side, fill)):
             pp = _poison((n,), w.dtype, kdevice)
             so = torch.full((n, sd.shape[1]), 0xFF, device=kdevice).to(sd.dtype)
-            got = B.permute_rows(x, rid, n, probs=w, probs_out=pp, side=sd, side_out=so,
-                                 fill=f, use_triton=True, out=_poison((n, h), dtype, kdevice))
+            got = KP.permute_rows_triton(x, rid, n, probs=w, probs_out=pp, side=sd, side_out=so,
+                                 fill=f, out=_poison((n, h), dtype, kdevice))
             pp_ref = torch.empty(n, dtype=w.dtype, device=kdevice)
             so_ref = torch.empty_like(so)
-            want = B.permute_rows(x, rid, n, probs=w, probs_out=pp_ref, side=sd,
-                                  side_out=so_ref, use_triton=False)
+            want = TI.permute_rows(x, rid, n, probs=w, probs_out=pp_ref, side=sd,
+                                  side_out=so_ref)
             assert_same_bits(got, want)
             assert_same_bits(pp, pp_ref)
             assert_same_bits(so, so_ref)
         y = torch.randn(n, h, device=kdevice).to(dtype)
-        got = B.unpermute_rows(y, rid, None, use_triton=True, out=_poison((t, h), dtype, kdevice))
+        got = KU.unpermute_rows_triton(y, rid, None, out=_poison((t, h), dtype, kdevice))
         # The CPU torch path adds in row order, as the kernel does (CUDA's index_add_ does not).
-        want = B.unpermute_rows(y.cpu(), rid.cpu(), None, use_triton=False)
+        want = TI.unpermute_rows(y.cpu(), rid.cpu(), None)
         assert_same_bits(got.cpu(), want)
         # Weighted: the GPU fuses x * w + acc into one FMA, so compare with an fp64 merge
         # within fp32 accumulation and output rounding.
-        got = B.unpermute_rows(y, rid, w, use_triton=True, out=_poison((t, h), dtype, kdevice))
+        got = KU.unpermute_rows_triton(y, rid, w, out=_poison((t, h), dtype, kdevice))
         eps = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
         assert_merge_close(got, y, rid, w, eps[dtype])
 
@@ -88,10 +92,10 @@ def test_merge_in_column_tiles(kdevice, h):
     n = int(mask.sum()) - 2  # two routes dropped
     rid, _ = make_row_id_map(mask, n, False, 1)
     y = torch.randn(n, h, device=kdevice)
-    got = B.unpermute_rows(y, rid, None, use_triton=True, out=_poison((t, h), y.dtype, kdevice))
-    assert_same_bits(got.cpu(), B.unpermute_rows(y.cpu(), rid.cpu(), None, use_triton=False))
+    got = KU.unpermute_rows_triton(y, rid, None, out=_poison((t, h), y.dtype, kdevice))
+    assert_same_bits(got.cpu(), TI.unpermute_rows(y.cpu(), rid.cpu(), None))
     w = torch.rand(t, e, device=kdevice)
-    got = B.unpermute_rows(y, rid, w, use_triton=True, out=_poison((t, h), y.dtype, kdevice))
+    got = KU.unpermute_rows_triton(y, rid, w, out=_poison((t, h), y.dtype, kdevice))
     assert_merge_close(got, y, rid, w)
 
 
@@ -106,13 +110,13 @@ def test_merge_backward_one_pass(kdevice, poisoned_empty, t, h, e, k, kind, extr
     reads zero, into poison), the weights' gradient against fp64 dot products (exact zeros
     off the kept routes) in the weights' dtype; dropped routes, spare rows, 1-column rows,
     wide rows in 1024-column tiles (the last partial), two and four routes a step."""
-    from qmoe.ops.unpermute import merge_backward_triton
+    from qmoe.ops.kernels.unpermute import merge_backward_triton
 
     ids, mask = routing(t, e, k, kind, kdevice)
     rm = mask if map_type == "mask" else ids
     n = max(0, int(mask.sum()) + extra)
     rid, _ = make_row_id_map(rm, n, map_type == "index", 1)
-    tok, row, col = B._routes(rid)
+    tok, row, col = TI.routes(rid)
     for dtype in _dtypes(kdevice):
         g = torch.randn(t, h, device=kdevice).to(dtype)
         y = torch.randn(n, h, device=kdevice).to(dtype)
@@ -121,8 +125,7 @@ def test_merge_backward_one_pass(kdevice, poisoned_empty, t, h, e, k, kind, extr
         if h in (2880, 4100):  # the cases added for the routes a step
             assert T.merge_backward_tile(h, rm.shape[1])[0] == (
                 4 if h == 4100 and map_type == "mask" else 2)  # index: K = 7 columns
-        assert_same_bits(gi.cpu(), B.permute_rows(g.cpu(), rid.cpu(), n, w.cpu(),
-                                                  use_triton=False))
+        assert_same_bits(gi.cpu(), TI.permute_rows(g.cpu(), rid.cpu(), n, w.cpu()))
         assert gw.dtype == w.dtype and gw.shape == w.shape
         ref = torch.zeros(t, rm.shape[1], dtype=torch.float64, device=kdevice)
         ref[tok, col] = (g.double()[tok] * y.double()[row]).sum(1)
@@ -136,7 +139,7 @@ def test_merge_backward_one_pass(kdevice, poisoned_empty, t, h, e, k, kind, extr
 def test_merge_backward_empty(kdevice):
     """No tokens: grad_inp is all zeros (N rows no token reads), the weights' gradient
     [0, P]; no rows: grad_inp [0, H], the weights' gradient zero."""
-    from qmoe.ops.unpermute import merge_backward_triton
+    from qmoe.ops.kernels.unpermute import merge_backward_triton
 
     rid = torch.zeros(0, 9, dtype=torch.int32, device=kdevice)
     gi, gw = merge_backward_triton(torch.zeros(0, 8, device=kdevice),
@@ -158,15 +161,15 @@ def test_padded_map_kernels_zero_padding(kdevice):
     x = torch.randn(t, h, device=kdevice)
     for n in (200, 90, 0):  # spare rows past the padded total; dropping; nothing
         rid, fill = make_row_id_map(mask, n, False, 16)
-        want = B.permute_rows(x, rid, n, use_triton=False)
+        want = TI.permute_rows(x, rid, n)
         for f in (None, fill):
-            got = B.permute_rows(x, rid, n, use_triton=True, fill=f,
+            got = KP.permute_rows_triton(x, rid, n, fill=f,
                                  out=_poison((n, h), x.dtype, kdevice))
             assert_same_bits(got, want)
             assert not got.isnan().any()
     # No tokens at all: the fill programs alone zero the whole output.
     rid, fill = make_row_id_map(mask[:0], 40, False, 16)
-    got = B.permute_rows(x[:0], rid, 40, use_triton=True, fill=fill,
+    got = KP.permute_rows_triton(x[:0], rid, 40, fill=fill,
                          out=_poison((40, h), x.dtype, kdevice))
     assert_same_bits(got, torch.zeros(40, h, device=kdevice))
 
@@ -175,7 +178,7 @@ def test_padded_map_kernels_zero_padding(kdevice):
 def test_gather_rows_kernel(kdevice, r, h):
     x = torch.randn(r + 3, h, device=kdevice)
     src = torch.randint(0, r + 3, (r,), device=kdevice)
-    got = B.gather_rows(x, src, use_triton=True, out=_poison((r, h), x.dtype, kdevice))
+    got = KS.gather_rows_triton(x, src, out=_poison((r, h), x.dtype, kdevice))
     assert_same_bits(got, x[src])
 
 
@@ -187,7 +190,7 @@ def test_gather_rows_kernel(kdevice, r, h):
 @pytest.mark.parametrize("align", [1, 16])
 @pytest.mark.parametrize("one_launch", [False, True], ids=["three_launches", "one_launch"])
 def test_mask_map_kernel_matches_torch(kdevice, t, e, k, kind, align, one_launch):
-    from qmoe.ops.row_id_map import _mask_rows, _mask_rows_triton, fill_rows
+    from qmoe.ops.row_id_map import _mask_rows, fill_rows
 
     if one_launch and t * next_pow2(e) > T.SMALL_MAP_BYTES:
         pytest.skip("the one-launch map serves small masks only (each program reads it all)")
@@ -195,7 +198,7 @@ def test_mask_map_kernel_matches_torch(kdevice, t, e, k, kind, align, one_launch
     counts = mask.sum(0) if align > 1 else mask.sum()
     for n in (int(mask.sum()), int(mask.sum()) // 2, 1000):
         for m in (mask, mask.to(torch.int32)):
-            rid, fill = _mask_rows_triton(m, n, align, one_launch=one_launch)
+            rid, fill = mask_map_triton(m, n, align, MaskMapTiling(one_launch=one_launch))
             assert torch.equal(rid, _mask_rows(m, n, align))
             assert torch.equal(fill, fill_rows(counts, n, align))
 
@@ -208,13 +211,14 @@ def test_index_map_kernel_matches_torch(kdevice, t, e, k, kind):
     """The one-launch index map (rank counting, no sort) equals the sorting torch path,
     for several id dtypes, N below/at/above the routed count, and T*K = 1800 entries
     (the counting walk takes two steps)."""
-    from qmoe.ops.row_id_map import _index_rows, _index_rows_triton, fill_rows
+    from qmoe.ops.kernels.row_id_map import index_rows_triton
+    from qmoe.ops.row_id_map import _index_rows, fill_rows
 
     ids, _ = routing(t, e, k, kind, kdevice)
     routed = int((ids >= 0).sum())
     for n in (routed, routed // 2, routed + 9):
         for dt in (torch.int64, torch.int32, torch.int16, torch.int8)[: 4 if e <= 127 else 3]:
-            rid, fill = _index_rows_triton(ids.to(dt), n)
+            rid, fill = index_rows_triton(ids.to(dt), n)
             assert torch.equal(rid, _index_rows(ids, n))
             assert torch.equal(fill, fill_rows((ids >= 0).sum(), n, 1))
 
@@ -222,16 +226,17 @@ def test_index_map_kernel_matches_torch(kdevice, t, e, k, kind):
 def test_index_map_kernel_duplicate_ids(kdevice):
     """A token may name one expert in several slots (no mask can say that): its routes
     rank in slot order, as the stable sorts of the torch path put them."""
-    from qmoe.ops.row_id_map import _index_rows, _index_rows_triton
+    from qmoe.ops.kernels.row_id_map import index_rows_triton
+    from qmoe.ops.row_id_map import _index_rows
 
     ids = torch.tensor([[2, 0, 2, -1], [1, 1, 1, 1], [-1, -1, -1, -1], [0, 2, 0, 1]],
                        device=kdevice)
     for n in (11, 6, 20):
-        rid, _ = _index_rows_triton(ids, n)
+        rid, _ = index_rows_triton(ids, n)
         assert torch.equal(rid, _index_rows(ids, n))
     # a strided view (every other column of a wider matrix)
     wide = torch.stack([ids, ids.flip(1)], dim=2).reshape(4, 8)
-    rid, _ = _index_rows_triton(wide[:, ::2], 9)
+    rid, _ = index_rows_triton(wide[:, ::2], 9)
     assert torch.equal(rid, _index_rows(ids, 9))
 
 
@@ -243,13 +248,13 @@ def test_mask_map_kernel_tilings(kdevice, tiling, one_launch):
     """Blocks of one token, loads one row ahead, all rows ahead, a prefetch depth that does
     not divide the block, a last block cut short (300 tokens): the same map and fill. The
     one-launch form walks the 300 rows in several steps (128 rows a step at E = 40)."""
-    from qmoe.ops.row_id_map import _mask_rows, _mask_rows_triton, fill_rows
-    from qmoe.ops.tuning import MapTiling
+    from qmoe.ops.row_id_map import _mask_rows, fill_rows
 
     ids, mask = routing(300, 40, 3, "sentinels", kdevice)
     for n in (int(mask.sum()) - 7, int(mask.sum()) + 50):
         for align in (1, 8):
-            got, fill = _mask_rows_triton(mask, n, align, MapTiling(*tiling), one_launch)
+            tl = MaskMapTiling(*tiling, one_launch=one_launch)
+            got, fill = mask_map_triton(mask, n, align, tl)
             assert torch.equal(got, _mask_rows(mask, n, align))
             assert torch.equal(fill, fill_rows(mask.sum(0) if align > 1 else mask.sum(), n,
                                                align))
@@ -259,12 +264,11 @@ def test_mask_map_block_scan_over_several_chunks(kdevice):
     """More blocks than one step of the block scan takes (512 at E = 520, whose programs
     own 8 experts each): the running per-expert count must carry from one chunk of blocks
     to the next."""
-    from qmoe.ops.row_id_map import _mask_rows, _mask_rows_triton, fill_rows
-    from qmoe.ops.tuning import MapTiling
+    from qmoe.ops.row_id_map import _mask_rows, fill_rows
 
     ids, mask = routing(600, 520, 3, "random", kdevice)
     n = int(mask.sum()) - 5
-    got, fill = _mask_rows_triton(mask, n, 4, MapTiling(1, 1, 1))
+    got, fill = mask_map_triton(mask, n, 4, MaskMapTiling(1, 1, 1))
     assert torch.equal(got, _mask_rows(mask, n, 4))
     assert torch.equal(fill, fill_rows(mask.sum(0), n, 4))
 
@@ -276,18 +280,16 @@ def test_merge_of_a_map_without_slots_is_zero(kdevice):
     y = torch.randn(5, h, device=kdevice)
     empty = torch.zeros(t, 1, dtype=torch.int32, device=kdevice)
     for w in (None, torch.rand(t, 0, device=kdevice)):
-        got = B.unpermute_rows(y, empty, w, use_triton=True)
+        got = KU.unpermute_rows_triton(y, empty, w)
         assert torch.equal(got, torch.zeros(t, h, device=kdevice))
 
 
 def test_mask_map_rejects_bad_tiling():
-    from qmoe.ops.row_id_map import _mask_rows_triton
-    from qmoe.ops.tuning import MapTiling
 
     mask = torch.ones(4, 3, dtype=torch.bool)
-    for bad in (MapTiling(0, 1, 1), MapTiling(4, 1, 0), MapTiling(4, 3, 1)):
+    for bad in (MaskMapTiling(0, 1, 1), MaskMapTiling(4, 1, 0), MaskMapTiling(4, 3, 1)):
         with pytest.raises(ValueError, match="map tiling"):
-            _mask_rows_triton(mask, 12, 1, bad)
+            mask_map_triton(mask, 12, 1, bad)
 
 
 def test_fp8_merge_tiles():
@@ -301,7 +303,7 @@ def test_fp8_merge_tiles():
 @pytest.mark.parametrize("h", [17, 300, 1100])  # 1100: 1024-column tiles, evict-first
 def test_unpermute_fp8_kernel_dequantizes_in_place(kdevice, poisoned_empty, recipe, h):
     import qmoe
-    from qmoe.ops.fp8 import _bits, _layout
+    from qmoe.ops.fp8 import bits_of, scale_layout
     from tests.tensors.helpers import RECIPES
 
     t, e, k = 29, 8, 3
@@ -311,12 +313,12 @@ def test_unpermute_fp8_kernel_dequantizes_in_place(kdevice, poisoned_empty, reci
     x = torch.randn(n, h, device=kdevice) * torch.logspace(-3, 3, n, device=kdevice)[:, None]
     q = qmoe.quantize(x, RECIPES[recipe])
     w = torch.rand(t, e, device=kdevice)
-    args = (_bits(q), q.raw_scale, _layout(q), q.block_size or 0, q.fp8_dtype, rid)
+    args = (bits_of(q), q.raw_scale, scale_layout(q), q.block_size or 0, q.fp8_dtype, rid)
     for weights in (None, w):
-        got = B.unpermute_fp8_rows(*args, weights, torch.float32, use_triton=True)
+        got = KU.unpermute_fp8_triton(*args, weights, torch.float32)
         # The same merge of the dequantized rows on the CPU (in row order).
-        want = B.unpermute_rows(q.dequantize(torch.float32).cpu(), rid.cpu(),
-                                None if weights is None else weights.cpu(), use_triton=False)
+        want = TI.unpermute_rows(q.dequantize(torch.float32).cpu(), rid.cpu(),
+                                None if weights is None else weights.cpu())
         if kdevice == "cpu":
             assert_same_bits(got.cpu(), want)
         else:  # the GPU contracts x * s (* w) + acc to FMAs: bound the error against fp64
@@ -334,7 +336,7 @@ def _merge_case(dev, fp8, bad):
     (``'nan'``), weights of
     one column or none (``'cols'``, ``'nocols'``) or valid inputs (``None``)."""
     import qmoe
-    from qmoe.ops.fp8 import _bits, _layout
+    from qmoe.ops.fp8 import bits_of, scale_layout
 
     t, e, k, h = 20, 8, 2, 64
     _, mask = routing(t, e, k, "random", dev)
@@ -353,10 +355,10 @@ def _merge_case(dev, fp8, bad):
     elif bad == "nocols":
         w = w[:, :0]
     if not fp8:
-        return B.unpermute_rows(x, rid, w, use_triton=True)
+        return KU.unpermute_rows_triton(x, rid, w)
     q = qmoe.quantize(x, qmoe.MXFP8())
-    return B.unpermute_fp8_rows(_bits(q), q.raw_scale, _layout(q), 32, q.fp8_dtype, rid,
-                                w, torch.float32, use_triton=True)
+    return KU.unpermute_fp8_triton(bits_of(q), q.raw_scale, scale_layout(q), 32, q.fp8_dtype, rid,
+                                w, torch.float32)
 
 
 _CHILD = """
@@ -397,8 +399,11 @@ def _permute_probs_case(dev, path, bad):
     fused mask permute, or either fused quantize-permute), with a NaN in a routed prob
     (``bad='routed'``), only in unrouted ones (``'unrouted'``) or none (``None``). Returns
     the permuted probs and the same call's on probs with the NaN zeroed."""
-    from qmoe.ops.permute_mask import permute_mask_triton
-    from qmoe.ops.quantize_permute import quantize_permute_mask_triton, quantize_permute_triton
+    from qmoe.ops.kernels.permute_mask import permute_mask_triton
+    from qmoe.ops.kernels.quantize_permute import (
+        quantize_permute_mask_triton,
+        quantize_permute_triton,
+    )
 
     t, e, k, h = 20, 8, 2, 128
     _, mask = routing(t, e, k, "random", dev)
@@ -415,7 +420,7 @@ def _permute_probs_case(dev, path, bad):
         if path == "scatter":
             rid, fill = make_row_id_map(mask, n, False, 1)
             pp = torch.full((n,), float("nan"), device=dev)
-            B.permute_rows(x, rid, n, probs=p, probs_out=pp, fill=fill, use_triton=True)
+            KP.permute_rows_triton(x, rid, n, probs=p, probs_out=pp, fill=fill)
             return pp
         if path == "mask":
             return permute_mask_triton(x, mask, n, 1, p)[1]

@@ -8,8 +8,10 @@ import pytest
 import torch
 
 import qmoe
-from qmoe.ops import backend as B
-from qmoe.ops.fp8 import _bits, _layout
+from qmoe.ops import torch_impl as TI
+from qmoe.ops.fp8 import bits_of, scale_layout
+from qmoe.ops.kernels import permute as KP
+from qmoe.ops.kernels import unpermute as KU
 from qmoe.tensors.quantize import recipe_scale_mode
 from tests.ops.helpers import routing
 from tests.tensors.helpers import assert_same_bits
@@ -39,19 +41,19 @@ def test_scatter_and_merge(kdevice):
         outs = []
         for ww, pp, rr in ((w, p, rid), (_col_strided(w), _col_strided(p), rid_nc)):
             po = torch.full((n,), float("nan"), device=kdevice, dtype=p.dtype)
-            o = B.permute_rows(x, rr, n, ww, probs=pp, probs_out=po, fill=f, use_triton=True)
+            o = KP.permute_rows_triton(x, rr, n, ww, probs=pp, probs_out=po, fill=f)
             outs.append((o, po))
         assert_same_bits(outs[1][0], outs[0][0])
         assert_same_bits(outs[1][1], outs[0][1])
     y = torch.randn(n, h, device=kdevice)
-    want = B.unpermute_rows(y, rid, w, use_triton=True)
-    assert_same_bits(B.unpermute_rows(y, rid_nc, _col_strided(w), use_triton=True), want)
+    want = KU.unpermute_rows_triton(y, rid, w)
+    assert_same_bits(KU.unpermute_rows_triton(y, rid_nc, _col_strided(w)), want)
     q = qmoe.quantize(y, qmoe.Blockwise(block_size=16))
-    args = (_bits(q), q.raw_scale, _layout(q), q.block_size, q.fp8_dtype)
-    want = B.unpermute_fp8_rows(*args, rid, w, torch.float32, use_triton=True)
-    got = B.unpermute_fp8_rows(*args, rid_nc, _col_strided(w), torch.float32, use_triton=True)
+    args = (bits_of(q), q.raw_scale, scale_layout(q), q.block_size, q.fp8_dtype)
+    want = KU.unpermute_fp8_triton(*args, rid, w, torch.float32)
+    got = KU.unpermute_fp8_triton(*args, rid_nc, _col_strided(w), torch.float32)
     assert_same_bits(got, want)
-    from qmoe.ops.unpermute import merge_backward_triton
+    from qmoe.ops.kernels.unpermute import merge_backward_triton
 
     g = torch.randn(t, h, device=kdevice)
     want = merge_backward_triton(g, y, rid, w)
@@ -61,8 +63,11 @@ def test_scatter_and_merge(kdevice):
 
 
 def test_fused_mask_and_quantize_kernels(kdevice):
-    from qmoe.ops.permute_mask import permute_mask_triton
-    from qmoe.ops.quantize_permute import quantize_permute_mask_triton, quantize_permute_triton
+    from qmoe.ops.kernels.permute_mask import permute_mask_triton
+    from qmoe.ops.kernels.quantize_permute import (
+        quantize_permute_mask_triton,
+        quantize_permute_triton,
+    )
 
     t, h, e = 29, 64, 5
     mask, n, rid, fill = _map(t, e, 2, kdevice)
@@ -85,7 +90,7 @@ def test_fused_mask_and_quantize_kernels(kdevice):
 
 
 def test_chunk_sort_tables_and_probs(kdevice):
-    from qmoe.ops.sort_chunks import sort_chunks_triton
+    from qmoe.ops.kernels.sort_chunks import sort_chunks_triton
 
     x = torch.randn(10, 4, device=kdevice)
     # every other entry of a 2-d table: the stride-1 neighbours are valid sizes too, so a
@@ -116,9 +121,9 @@ def test_cpu_paths_refuse_a_bad_probs_column(bad_col):
     with pytest.raises(ValueError, match="probs column"):
         qmoe.moe_unpermute(out, bad, w)
     with pytest.raises(ValueError, match="probs column"):
-        B.unpermute_rows(out, bad, w, use_triton=False)
+        TI.unpermute_rows(out, bad, w)
     with pytest.raises(ValueError, match="probs column"):
-        B.permute_rows(x, bad, out.shape[0], w, use_triton=False)
+        TI.permute_rows(x, bad, out.shape[0], w)
 
 
 @pytest.mark.parametrize("where,value", [("row", -5), ("row", 1000), ("count", 100),
@@ -138,8 +143,8 @@ def test_cpu_paths_refuse_a_corrupted_map(where, value):
         lambda: torch.ops.qmoe.unpermute(out, bad, w),
         lambda: torch.ops.qmoe.unpermute(out, bad, None),
         lambda: torch.ops.qmoe.permute(x, bad, None, out.shape[0]),
-        lambda: B.unpermute_rows(out, bad, w, use_triton=False),
-        lambda: B.permute_rows(x, bad, out.shape[0], use_triton=False),
+        lambda: TI.unpermute_rows(out, bad, w),
+        lambda: TI.permute_rows(x, bad, out.shape[0]),
         lambda: qmoe.moe_unpermute(out, bad, w),  # the public function (its own checks first)
     ]
     for call in calls:

@@ -52,20 +52,21 @@ def _cases():
         yield (f"unpermute_bwd_no_grad-{t}", ops.unpermute_backward.default,
                (g, rid_m, probs.detach(), y.detach(), n))
         for name in ("pertensor-e4m3", "blockwise-e5m2", "mx-e4m3"):
-            from qmoe.ops.fp8 import _bits, _layout
+            from qmoe.ops.fp8 import bits_of, scale_layout
             from tests.tensors.helpers import RECIPES
 
             q = qmoe.quantize(y.detach(), RECIPES[name])
-            fargs = (_bits(q), q.raw_scale, rid_m, probs.detach(), _layout(q), q.block_size or 0,
-                     q.fp8_dtype, torch.bfloat16)
+            fargs = (bits_of(q), q.raw_scale, rid_m, probs.detach(), scale_layout(q),
+                     q.block_size or 0, q.fp8_dtype, torch.bfloat16)
             yield f"unpermute_fp8_{name}-{t}", ops.unpermute_fp8.default, fargs
             if q.block_size is not None:
                 xq = qmoe.quantize(x.detach(), RECIPES[name])
                 for pr in (None, probs.detach()):
                     yield (f"permute_with_scales_{name}-{pr is None}-{t}",
-                           ops.permute_with_scales.default, (_bits(xq), xq.raw_scale, rid_m, pr, n))
+                           ops.permute_with_scales.default,
+                           (bits_of(xq), xq.raw_scale, rid_m, pr, n))
                 yield (f"permute_with_scales_fill_{name}-{t}", ops.permute_with_scales.default,
-                       (_bits(xq), xq.raw_scale, rid_p, probs.detach(), n + 8, fill_p))
+                       (bits_of(xq), xq.raw_scale, rid_p, probs.detach(), n + 8, fill_p))
         # The fused quantize-permute ops: inputs without requires_grad (opcheck's backward
         # test sums every output, and fp8 has no sum; their autograd: test_quantize_permute)
         xd, pd, e4, e5 = x.detach(), probs.detach(), torch.float8_e4m3fn, torch.float8_e5m2

@@ -11,7 +11,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import qmoe
-from qmoe.ops.permute_index import permute_index_triton
+from qmoe.ops.kernels.permute_index import permute_index_triton
+from qmoe.ops.tuning import PermuteIndexTiling
 from tests.ops.helpers import map_then_permute, routing
 from tests.tensors.helpers import RECIPES, assert_same_bits, assert_same_quantized
 
@@ -44,7 +45,7 @@ def test_kernel_matches_sorting_path(kdevice, poisoned_empty, t, h, e, k, kind):
               (ids, probs.double(), side.view(torch.uint8)[:, :7], 1))  # fp64 probs
     for (i_, p, sd, bt), n in zip(inputs, (routed, routed // 2, routed + 70)):
         out = torch.full((n, h), float("nan"), device=kdevice)
-        got = permute_index_triton(x, i_, n, e, p, sd, block_t=bt, out=out)
+        got = permute_index_triton(x, i_, n, e, p, sd, PermuteIndexTiling(block_t=bt), out=out)
         for g, w in zip(got, _want(x, ids, n, p, sd)):
             if w is not None:
                 assert_same_bits(g.cpu(), w)
@@ -57,7 +58,7 @@ def test_kernel_repeated_experts_in_a_token(kdevice):
     x = torch.randn(3, 6, device=kdevice)
     probs = torch.rand(3, 3, device=kdevice)
     n = int((ids >= 0).sum())
-    got = permute_index_triton(x, ids, n, 3, probs, block_t=2)
+    got = permute_index_triton(x, ids, n, 3, probs, tiling=PermuteIndexTiling(block_t=2))
     for g, w in zip(got, _want(x, ids, n, probs, None)):
         if w is not None:
             assert_same_bits(g.cpu(), w)
@@ -69,7 +70,7 @@ def test_kernel_narrow_id_dtypes(kdevice, dtype, e):
     ids, _ = routing(45, e, 4, "sentinels", kdevice)
     x = torch.randn(45, 24, device=kdevice)
     n = int((ids >= 0).sum()) - 3
-    got = permute_index_triton(x, ids.to(dtype), n, e, block_t=4)
+    got = permute_index_triton(x, ids.to(dtype), n, e, tiling=PermuteIndexTiling(block_t=4))
     for g, w in zip(got, _want(x, ids, n, None, None)):
         if w is not None:
             assert_same_bits(g.cpu(), w)
@@ -120,7 +121,7 @@ def test_kernel_programmatic_dependent_launch(pdl):
     ids = routing(t, e, k, "sentinels", "cuda")[0]
     x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
     n = t * k - 5
-    run = lambda: permute_index_triton(x, ids, n, e, pdl=pdl)
+    run = lambda: permute_index_triton(x, ids, n, e, tiling=PermuteIndexTiling(pdl=pdl))
     run()  # compile outside the capture
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()

@@ -10,8 +10,8 @@ import torch
 
 import qmoe
 from qmoe._intmath import next_pow2
-from qmoe.ops.permute_mask import permute_mask_triton
-from qmoe.ops.tuning import SMALL_MAP_BYTES, MapTiling
+from qmoe.ops.kernels.permute_mask import permute_mask_triton
+from qmoe.ops.tuning import SMALL_MAP_BYTES, FusedMaskTiling
 from tests.ops.helpers import map_then_permute, routing
 from tests.tensors.helpers import RECIPES, assert_same_bits, assert_same_quantized
 
@@ -47,7 +47,7 @@ def test_kernel_matches_two_step_path(kdevice, poisoned_empty, t, h, e, k, kind,
     probs = torch.rand(t, e, device=kdevice)
     side = torch.randn(t, 5, device=kdevice)
     # several count blocks (tokens before t inside t's block) with small inputs
-    tilings = [None] if one_launch else [None, MapTiling(4, 1, 2), MapTiling(1, 1, 1)]
+    counts = [(None, None)] if one_launch else [(None, None), (4, 1), (1, 1)]
     tokens = [1, 4, 2] if one_launch else [2, 4, 1]  # tokens per program (divides blocks)
     # fp64 probs (Megatron's fp64 routers) in the third case: permuted probs keep the dtype
     inputs = ((mask, None, None), (mask.to(torch.int32), probs, side),
@@ -55,9 +55,10 @@ def test_kernel_matches_two_step_path(kdevice, poisoned_empty, t, h, e, k, kind,
     for i, n in enumerate((routed, routed // 2, routed + 70)):
         m, p, sd = inputs[i]
         out = torch.full((n, h), float("nan"), device=kdevice)
-        got = permute_mask_triton(x, m, n, align, p, sd, one_launch=one_launch,
-                                  tiling=tilings[i % len(tilings)], tokens=tokens[i],
-                                  reg_routes=(None, True, False)[i], out=out)
+        bt, warps = counts[i % len(counts)]
+        tiling = FusedMaskTiling(block_t=bt, map_warps=warps, tokens=tokens[i],
+                                 reg_routes=(None, True, False)[i], one_launch=one_launch)
+        got = permute_mask_triton(x, m, n, align, p, sd, tiling, out=out)
         for g, w in zip(got, _want(x, mask, n, align, p, sd)):
             if w is not None:
                 assert_same_bits(g.cpu(), w)
@@ -68,7 +69,7 @@ def test_kernel_fp8_bits_and_no_experts(kdevice):
     ids, mask = routing(t, e, 3, "sentinels", kdevice)
     bits = torch.randint(0, 256, (t, h), dtype=torch.uint8, device=kdevice)
     for one in (False, True):
-        got = permute_mask_triton(bits, mask, 80, 1, one_launch=one)
+        got = permute_mask_triton(bits, mask, 80, 1, tiling=FusedMaskTiling(one_launch=one))
         want = _want(bits, mask, 80, 1, None, None)
         assert_same_bits(got[0].cpu(), want[0])
         assert torch.equal(got[3].cpu(), want[3])
@@ -91,7 +92,8 @@ def test_kernel_programmatic_dependent_launch(pdl, graph):
     x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
     side = torch.randn(t, 3, device="cuda")
     n = t * k - 5  # a few dropped routes
-    run = lambda: permute_mask_triton(x, mask, n, 1, None, side, one_launch=False, pdl=pdl)
+    run = lambda: permute_mask_triton(x, mask, n, 1, None, side,
+                                      FusedMaskTiling(one_launch=False, pdl=pdl))
     if graph:
         run()  # compile outside the capture
         torch.cuda.synchronize()

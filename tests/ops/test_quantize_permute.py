@@ -13,7 +13,7 @@ from qmoe.ops.quantize_permute import (
     quantize_permute_mask_triton,
     quantize_permute_triton,
 )
-from qmoe.ops.tuning import MapTiling
+from qmoe.ops.tuning import QuantizePermuteTiling
 from qmoe.tensors.quantize import per_tensor_scale, recipe_scale_mode
 from tests.ops.helpers import reference_routes, routing
 from tests.tensors.helpers import (
@@ -59,8 +59,8 @@ def test_fused_kernel_matches_two_steps(kdevice, recipe, t, h, e, k, kind, extra
             # before chunk i's stores gave on an H100)
             for f, steps in itertools.product(
                     (None, fill), (1, 0) if kdevice == "cuda" and h >= 4096 else (None,)):
-                got = quantize_permute_triton(x, rid, p, n, *_args(r, x), f, steps=steps,
-                                              poison=True)
+                got = quantize_permute_triton(x, rid, p, n, *_args(r, x), f,
+                                              QuantizePermuteTiling(steps=steps), poison=True)
                 for a, b in zip(got, want):
                     assert_same_bits(a.cpu(), b)
             if not is_index and h >= 4096:  # the mask kernel's wide rows (two steps), on
@@ -116,12 +116,13 @@ def test_fused_kernels_step_over_columns(kdevice, recipe, h):
         want = _two_step(x.cpu(), rid.cpu(), p.cpu(), n, *_args(r, x.cpu()))
         for tile, steps in ((unit, 0), (unit, 2), (2 * unit, 0)):
             for f in (None, fill) if align == 1 else (fill,):
-                got = quantize_permute_triton(x, rid, p, n, *_args(r, x), f, tile=tile,
-                                              steps=steps, kb=2, poison=True)
+                got = quantize_permute_triton(x, rid, p, n, *_args(r, x), f,
+                                              QuantizePermuteTiling(tile, steps, kb=2),
+                                              poison=True)
                 for a, b in zip(got, want):
                     assert_same_bits(a.cpu(), b)
-            got = quantize_permute_mask_triton(x, mask, n, align, p, *_args(r, x), tile=tile,
-                                               steps=steps, kb=2, reg_routes=align == 1,
+            tiling = QuantizePermuteTiling(tile, steps, kb=2, reg_routes=align == 1)
+            got = quantize_permute_mask_triton(x, mask, n, align, p, *_args(r, x), tiling,
                                                poison=True)
             assert_same_bits(got[3], rid)
             for a, b in zip(got[:3], want):
@@ -158,15 +159,17 @@ def test_mask_kernel_matches_map_then_fused(kdevice, recipe, t, h, e, k, kind, a
     probs = torch.rand(t, e, device=kdevice)
     rid, fill = torch.ops.qmoe.make_row_id_map(mask, n, False, align)
     # (one launch, count tiling, routes from registers or read back from the stored map)
-    forms = [(True, None, None), (False, None, True), (False, MapTiling(4, 1, 2), False)]
-    for i, (one, tiling, reg) in enumerate(forms):
+    forms = [QuantizePermuteTiling(one_launch=True),
+             QuantizePermuteTiling(one_launch=False, reg_routes=True),
+             QuantizePermuteTiling(block_t=4, map_warps=1, one_launch=False, reg_routes=False)]
+    for i, tiling in enumerate(forms):
+        one = tiling.one_launch
         if align > 1 and e > 64 and one and kdevice == "cpu":
             continue  # interpreter time: E fill programs each counting the whole mask
         p = probs if i != 1 else None
         want = quantize_permute_triton(x, rid, p, n, *_args(r, x), fill)
         got = quantize_permute_mask_triton(x, mask if i else mask.to(torch.int32), n, align, p,
-                                           *_args(r, x), one_launch=one, tiling=tiling,
-                                           reg_routes=reg, poison=True)
+                                           *_args(r, x), tiling, poison=True)
         assert_same_bits(got[3], rid)
         for a, b in zip(got[:3], want):
             assert_same_bits(a, b)

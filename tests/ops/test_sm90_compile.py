@@ -66,14 +66,25 @@ def _launches():
     import triton.runtime.jit as jit
 
     import qmoe
-    from qmoe.ops import backend as B
-    from qmoe.ops.fp8 import _bits, _layout
-    from qmoe.ops.permute_mask import permute_mask_triton
-    from qmoe.ops.quantize_permute import quantize_permute_mask_triton, quantize_permute_triton
-    from qmoe.ops.row_id_map import _index_rows_triton, _mask_rows_triton, make_row_id_map
-    from qmoe.ops.tuning import MapTiling
-    from qmoe.tensors.quantize import quantize_rows_triton
-    from tests.ops.helpers import routing
+    from qmoe.ops.fp8 import bits_of, scale_layout
+    from qmoe.ops.kernels import permute as KP
+    from qmoe.ops.kernels import sort_chunks as KS
+    from qmoe.ops.kernels import unpermute as KU
+    from qmoe.ops.kernels.permute_mask import permute_mask_triton
+    from qmoe.ops.kernels.quantize_permute import (
+        quantize_permute_mask_triton,
+        quantize_permute_triton,
+    )
+    from qmoe.ops.kernels.row_id_map import index_rows_triton
+    from qmoe.ops.row_id_map import make_row_id_map
+    from qmoe.ops.tuning import (
+        FusedMaskTiling,
+        MaskMapTiling,
+        QuantizePermuteTiling,
+        SortChunksTiling,
+    )
+    from qmoe.tensors.kernels.quantize import quantize_rows_triton
+    from tests.ops.helpers import mask_map_triton, routing
 
     seen = []
 
@@ -88,44 +99,45 @@ def _launches():
     n = int(mask.sum()) + 8
     for align in (1, 16):
         for one in (False, True):
-            _mask_rows_triton(mask, n, align, one_launch=one)
-    _mask_rows_triton(mask, n, 1, MapTiling(32, 8, 32))  # every row loaded up front
+            mask_map_triton(mask, n, align, MaskMapTiling(one_launch=one))
+    mask_map_triton(mask, n, 1, MaskMapTiling(32, 8, 32))  # every row loaded up front
     ids, _ = routing(t, e, k, "sentinels")
     for dt in (torch.int64, torch.int32):
-        _index_rows_triton(ids.to(dt), n)
+        index_rows_triton(ids.to(dt), n)
     rid, fill = make_row_id_map(mask, n, False, 1)
     side = torch.rand(t, 2)
     for f in (None, fill):
         for w in (None, probs):
-            B.permute_rows(x, rid, n, w, use_triton=True, fill=f)
-        B.permute_rows(x, rid, n, probs=probs, probs_out=torch.empty(n), side=side,
-                       side_out=torch.empty(n, 2), use_triton=True, fill=f)
-        B.permute_rows(x.view(torch.uint8), rid, n, use_triton=True, fill=f)
+            KP.permute_rows_triton(x, rid, n, w, fill=f)
+        KP.permute_rows_triton(x, rid, n, probs=probs, probs_out=torch.empty(n), side=side,
+                       side_out=torch.empty(n, 2), fill=f)
+        KP.permute_rows_triton(x.view(torch.uint8), rid, n, fill=f)
     for align in (1, 16):  # the mask permute that builds its map in the scatter launch
         for one in (False, True):
-            permute_mask_triton(x, mask, n, align, one_launch=one)
-            permute_mask_triton(x.view(torch.uint8), mask, n, align, probs, side,
-                                one_launch=one)
-    permute_mask_triton(x.view(torch.uint8), mask, n, 1, tokens=4)
-    from qmoe.ops.permute_index import permute_index_triton
+            form = FusedMaskTiling(one_launch=one)
+            permute_mask_triton(x, mask, n, align, tiling=form)
+            permute_mask_triton(x.view(torch.uint8), mask, n, align, probs, side, form)
+    permute_mask_triton(x.view(torch.uint8), mask, n, 1, tiling=FusedMaskTiling(tokens=4))
+    from qmoe.ops.kernels.permute_index import permute_index_triton
 
     permute_index_triton(x, ids, n, e, probs[:, :k], side)
     permute_index_triton(x.view(torch.uint8), ids.to(torch.int32), n, e)
     y = torch.randn(n, h, dtype=torch.bfloat16)
     for w in (None, probs):
-        B.unpermute_rows(y, rid, w, use_triton=True)
-    B.unpermute_rows(y.repeat(1, 5)[:, :1100], rid, probs, use_triton=True)  # 512 columns
+        KU.unpermute_rows_triton(y, rid, w)
+    KU.unpermute_rows_triton(y.repeat(1, 5)[:, :1100], rid, probs)  # 512 columns
     y4 = y.repeat(1, 4096 // h + 1)[:, :4096]  # four routes a step in the merge backward
-    from qmoe.ops.unpermute import merge_backward_triton
+    from qmoe.ops.kernels.unpermute import merge_backward_triton
 
     merge_backward_triton(x, y, rid, probs)  # both merge gradients in one pass
     merge_backward_triton(torch.zeros(x.shape[0], 4096, dtype=x.dtype), y4, rid, probs)
-    B.gather_rows(y, torch.arange(n), use_triton=True)
-    from qmoe.ops.sort_chunks import sort_chunks_triton
+    KS.gather_rows_triton(y, torch.arange(n))
+    from qmoe.ops.kernels.sort_chunks import sort_chunks_triton
 
     sizes, order = torch.tensor([n // 2, n - n // 2]), torch.tensor([1, 0])
     sort_chunks_triton(y, sizes, order, torch.rand(n))
-    sort_chunks_triton(y, sizes, order, torch.rand(n), inverse=True, check=False, steps=4)
+    sort_chunks_triton(y, sizes, order, torch.rand(n), inverse=True, check=False,
+                       tiling=SortChunksTiling(steps=4))
     # short byte rows (FP8 scales) as int32 words, tiles cut for 300 chunks
     cs = torch.full((300,), 2)
     sort_chunks_triton(torch.zeros(600, 64, dtype=torch.uint8), cs, torch.randperm(300))
@@ -133,20 +145,20 @@ def _launches():
     sort_chunks_triton(y.view(torch.uint8), sizes, order, torch.rand(n), sc,
                        side_out=torch.empty_like(sc))
     sort_chunks_triton(y.view(torch.uint8), sizes, order, torch.rand(n), sc,
-                       side_out=torch.empty_like(sc), words=False, steps=4)
+                       side_out=torch.empty_like(sc), tiling=SortChunksTiling(words=False, steps=4))
     sort_chunks_triton(y.view(torch.uint8), sizes, order, None, sc,
-                       side_out=torch.empty_like(sc), side_wide=True)
+                       side_out=torch.empty_like(sc), tiling=SortChunksTiling(side_wide=True))
     mx = torch.zeros(n, 8, dtype=torch.uint8)  # e8m0 side rows as int32 words
     sort_chunks_triton(y.view(torch.uint8), sizes, order, None, mx,
-                       side_out=torch.empty_like(mx), side_words=True)
+                       side_out=torch.empty_like(mx), tiling=SortChunksTiling(side_words=True))
     for recipe in (qmoe.PerTensor(), qmoe.Blockwise(), qmoe.MXFP8(),
                    qmoe.MXFP8(fp8_dtype=torch.float8_e5m2)):
         q = qmoe.quantize(y.float(), recipe)
-        B.unpermute_fp8_rows(_bits(q), q.raw_scale, _layout(q), q.block_size or 0,
-                             q.fp8_dtype, rid, probs, torch.bfloat16, use_triton=True)
+        KU.unpermute_fp8_triton(bits_of(q), q.raw_scale, scale_layout(q), q.block_size or 0,
+                             q.fp8_dtype, rid, probs, torch.bfloat16)
         qw = qmoe.quantize(y.float().repeat(1, 5)[:, :1152], recipe)  # evict_first tiles
-        B.unpermute_fp8_rows(_bits(qw), qw.raw_scale, _layout(qw), qw.block_size or 0,
-                             qw.fp8_dtype, rid, probs, torch.bfloat16, use_triton=True)
+        KU.unpermute_fp8_triton(bits_of(qw), qw.raw_scale, scale_layout(qw), qw.block_size or 0,
+                             qw.fp8_dtype, rid, probs, torch.bfloat16)
     for bs, mode in ((128, "amax"), (128, "pow2"), (32, "mx_floor"), (32, "mx_rceil"),
                      (64, "amax"), (16, "amax")):  # (and Blockwise's other block sizes)
         quantize_rows_triton(x, bs, torch.float8_e4m3fn, mode)
@@ -154,20 +166,20 @@ def _launches():
             quantize_permute_triton(x, rid, probs, n, bs, torch.float8_e4m3fn, mode, None, f)
         for align, one in ((1, False), (16, True)):
             quantize_permute_mask_triton(x, mask, n, align, probs, bs, torch.float8_e4m3fn, mode,
-                                         None, one_launch=one)
+                                         None, QuantizePermuteTiling(one_launch=one))
     x7 = torch.randn(t, 7168, dtype=torch.bfloat16)  # the widest tiles (4096 columns)
-    B.permute_rows(x7, rid, n, probs, use_triton=True, fill=fill)
+    KP.permute_rows_triton(x7, rid, n, probs, fill=fill)
     permute_mask_triton(x7.view(torch.uint8), mask, n, 1, probs)
-    B.unpermute_rows(torch.randn(n, 7168, dtype=torch.bfloat16), rid, probs, use_triton=True)
+    KU.unpermute_rows_triton(torch.randn(n, 7168, dtype=torch.bfloat16), rid, probs)
     for bs, mode in ((128, "amax"), (32, "mx_floor"), (32, "mx_rceil")):
         quantize_permute_triton(x7, rid, probs, n, bs, torch.float8_e4m3fn, mode, None, fill)
         quantize_permute_mask_triton(x7, mask, n, 1, probs, bs, torch.float8_e4m3fn, mode, None)
         for tile in (4096, 1024):  # the whole row a program, in 2 or 7 steps (4096: the
             # mask kernel's default tiling at this H; the map-reading kernel's is one step)
             quantize_permute_triton(x7, rid, probs, n, bs, torch.float8_e4m3fn, mode, None,
-                                    fill, tile=tile, steps=0)
+                                    fill, QuantizePermuteTiling(tile, 0))
             quantize_permute_mask_triton(x7, mask, n, 1, probs, bs, torch.float8_e4m3fn, mode,
-                                         None, tile=tile, steps=0)
+                                         None, QuantizePermuteTiling(tile, 0))
         # gpt-oss's H: the map-reading kernel's default, the whole row in three 1024-column
         # steps
         quantize_permute_triton(x7[:, :2880], rid, probs, n, bs, torch.float8_e4m3fn, mode,

@@ -98,20 +98,22 @@ def test_kernel_matches_reference(kdevice, t, h, c, tail, steps):
     past T included), rows past the chunks, several row tiles a program, programs inside
     one chunk and programs across several; the inverse
     movement (the backward) puts every row and prob back."""
-    from qmoe.ops.sort_chunks import sort_chunks_triton
+    from qmoe.ops.kernels.sort_chunks import sort_chunks_triton
+    from qmoe.ops.tuning import SortChunksTiling
 
     x = torch.randn(t + tail, h, device=kdevice)
     sizes, order = _random_chunks(t, c)
     # fp64 probs on some cases (Megatron's fp64 routers): they keep their dtype
     probs = torch.rand(t + tail, device=kdevice, dtype=(torch.float32, torch.float64)[t % 2])
     poison = torch.full_like(x, float("nan"))
-    out, pp = sort_chunks_triton(x, sizes.to(kdevice), order.to(kdevice), probs, steps=steps,
-                                 out=poison)
+    tiling = SortChunksTiling(steps=steps)
+    out, pp = sort_chunks_triton(x, sizes.to(kdevice), order.to(kdevice), probs,
+                                 tiling=tiling, out=poison)
     ref, rpp = R.sort_chunks(x.cpu(), sizes.tolist(), order.tolist(), probs.cpu())
     assert_same_bits(out.cpu(), ref)
     assert_same_bits(pp.cpu(), rpp)
     back, bp = sort_chunks_triton(out, sizes.to(kdevice), order.to(kdevice), pp, inverse=True,
-                                  check=False, steps=steps)
+                                  check=False, tiling=tiling)
     assert_same_bits(back, x)
     assert_same_bits(bp, probs)
 
@@ -123,8 +125,8 @@ def test_kernel_short_rows_many_chunks(kdevice, h, dtype, steps):
     2048; not h = 90); short rows' tiles are cut to at most MAX_SCAN_ELEMENTS rows x chunks
     (300 chunks: 512 in the scan), one or several tiles a program; 2048-byte rows take the
     default steps (4 tiles a program: a 512-chunk scan against 8-row tiles)."""
-    from qmoe.ops.sort_chunks import sort_chunks_triton
-    from qmoe.ops.tuning import MAX_SCAN_ELEMENTS
+    from qmoe.ops.kernels.sort_chunks import sort_chunks_triton
+    from qmoe.ops.tuning import MAX_SCAN_ELEMENTS, SortChunksTiling
 
     assert MAX_SCAN_ELEMENTS < 256 * 512  # the cut applies here
     t, c = 800, 300
@@ -132,11 +134,12 @@ def test_kernel_short_rows_many_chunks(kdevice, h, dtype, steps):
          else torch.randn(t + 5, h)).to(dtype).to(kdevice)
     sizes, order = _random_chunks(t, c)
     poison = torch.full_like(x, 0xFF if dtype == torch.uint8 else float("nan"))
-    out, _ = sort_chunks_triton(x, sizes.to(kdevice), order.to(kdevice), steps=steps,
+    tiling = SortChunksTiling(steps=steps)
+    out, _ = sort_chunks_triton(x, sizes.to(kdevice), order.to(kdevice), tiling=tiling,
                                 out=poison)
     assert_same_bits(out.cpu(), R.sort_chunks(x.cpu(), sizes.tolist(), order.tolist())[0])
     back, _ = sort_chunks_triton(out, sizes.to(kdevice), order.to(kdevice), inverse=True,
-                                 check=False, steps=steps)
+                                 check=False, tiling=tiling)
     assert_same_bits(back, x)
 
 
@@ -151,7 +154,8 @@ def test_kernel_moves_side_rows(kdevice, h, ns, side_dtype, words, wide, side_wo
     move as bytes or int32 words, in several column tiles; the side tiles in their own
     columns or in the rows' (``side_wide``; None: the launcher's rule, wide at 64 columns);
     byte side rows as int32 words (``side_words``: ns = 4 does, ns = 2 stays bytes)."""
-    from qmoe.ops.sort_chunks import sort_chunks_triton
+    from qmoe.ops.kernels.sort_chunks import sort_chunks_triton
+    from qmoe.ops.tuning import SortChunksTiling
 
     t, c = 150, 7
     bits = torch.randint(0, 256, (t, h), dtype=torch.uint8, device=kdevice)
@@ -160,7 +164,8 @@ def test_kernel_moves_side_rows(kdevice, h, ns, side_dtype, words, wide, side_wo
     sizes, order = _random_chunks(t - 9, c)
     so = torch.full_like(side, 0xFF if side_dtype == torch.uint8 else float("nan"))
     # block_h 64: several column tiles at h = 300
-    kw = dict(words=words, side_wide=wide, side_words=side_words, block_h=64)
+    kw = dict(tiling=SortChunksTiling(words=words, side_wide=wide, side_words=side_words,
+                                      block_h=64))
     out, pp = sort_chunks_triton(bits, sizes.to(kdevice), order.to(kdevice), probs, side,
                                  out=torch.full_like(bits, 0xFF), side_out=so, **kw)
     ref = R.sort_chunks(bits.cpu(), sizes.tolist(), order.tolist(), probs.cpu())
@@ -191,7 +196,7 @@ _BAD = {  # (sizes, order, NaN prob): T = 12 rows
 
 
 def _bad_sort(dev, case):
-    from qmoe.ops.sort_chunks import sort_chunks_triton
+    from qmoe.ops.kernels.sort_chunks import sort_chunks_triton
 
     sizes, order, nan, _ = _BAD[case]
     probs = torch.rand(12, device=dev)

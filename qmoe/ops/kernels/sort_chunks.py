@@ -1,4 +1,6 @@
-"""Triton code of the chunk sort in one launch (launcher: ``qmoe/ops/sort_chunks.py``).
+"""Triton code of the chunk sort in one launch (``sort_chunks_kernel``, launcher
+``sort_chunks_triton``) and the row gather behind sorts of more chunks
+(``gather_rows_kernel``, ``gather_rows_triton``).
 
 Glossary: T rows, H hidden, C chunks, BLOCK_C = next_pow2(C), BLOCK_R rows a tile, STEPS
 tiles a program.
@@ -10,10 +12,22 @@ source-row array and no launches of its own for it; program 0 also checks the si
 the order with device asserts (launched with ``debug=True``), in place of the op's checks.
 """
 
+from __future__ import annotations
+
+import torch
 import triton
 import triton.language as tl
 
-from qmoe.ops._kernels.permute import assert_probs_not_nan
+from qmoe._intmath import cdiv, next_pow2
+from qmoe.ops.kernels.permute import assert_probs_not_nan
+from qmoe.ops.launch import assert_options, unit_stride
+from qmoe.ops.tuning import (
+    SIDE_WIDE_MAX_COLS,
+    SORT_CHUNKS_WARPS,
+    SortChunksTiling,
+    gather_tile,
+    sort_chunks_tile,
+)
 
 
 @triton.jit
@@ -158,3 +172,129 @@ def sort_chunks_kernel(
         if HAS_SIDE:
             tl.store(side_out_ptr + rows.to(tl.int64)[:, None] * NS + sc[None, :], sv,
                      mask=sm)
+
+
+@triton.jit
+def gather_rows_kernel(
+    inp_ptr,  # (R_in, H) any dtype, row stride stride_in
+    out_ptr,  # (R, H) same dtype, contiguous
+    src_ptr,  # (R,) int64 source row of each output row
+    R,
+    H,
+    stride_in,
+    BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """out[r] = inp[src[r]]: each row read once and written once."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    rmask = rows < R
+    src = tl.load(src_ptr + rows, mask=rmask, other=0)
+    m = rmask[:, None] & (cols < H)[None, :]
+    x = tl.load(inp_ptr + src[:, None] * stride_in + cols[None, :], mask=m)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * H + cols[None, :], x, mask=m)
+
+
+# ------------------------------------------------------------------------- launchers
+
+
+def sort_chunks_triton(
+    inp: torch.Tensor,
+    split_sizes: torch.Tensor,
+    sorted_index: torch.Tensor,
+    probs: torch.Tensor | None = None,
+    side: torch.Tensor | None = None,
+    *,
+    inverse: bool = False,
+    check: bool = True,
+    tiling: SortChunksTiling | None = None,
+    out: torch.Tensor | None = None,
+    side_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out [T, H], probs moved alike [T] or empty)``: the chunk sort of ``inp [T, H]``
+    by ``split_sizes [C]`` and ``sorted_index [C]`` in one launch: the op's CUDA path up to
+    ``MAX_KERNEL_CHUNKS`` chunks, forward and backward. Every program holds the C sizes
+    and the order in registers.
+    ``inverse``: the movement back (the backward; assumes a valid order). ``check``:
+    program 0 asserts on the device that the sizes are >= 0 and sum to at most T and that
+    the order is a permutation; moved probs must not be NaN. No host sync.
+    ``side [T, NS]`` (the block scales of quantized rows) moves alike into ``side_out``
+    (given by the caller) in the same launch (``qmoe::sort_chunks_rows``). ``tiling``
+    overrides ``sort_chunks_tile`` and the word moves (``SortChunksTiling``). Byte rows
+    (FP8 bits, e8m0 scales) move as int32 words where the layout allows: ``sweep
+    sort_chunks --fp8`` (docs/benchmarks.md, "FP8 rows: int32 words, the scan cut, side
+    rows"), % of copy, words against bytes: dsv3 blockwise 90.4 vs 72.2, qwen3next MX side
+    rows 88.7 vs 73.6. ``out`` (tests: poisoned) receives the rows."""
+    o = tiling or SortChunksTiling()
+    t, h = inp.shape
+    c = split_sizes.numel()
+    if (side is None) != (side_out is None):
+        raise ValueError("sort_chunks_triton: pass side and side_out together")
+    for name, x in (("out", out), ("side_out", side_out)):
+        if x is not None and not x.is_contiguous():
+            raise ValueError(f"sort_chunks_triton: {name} must be contiguous (the kernel "
+                             "writes rows at a stride of their width); pass a fresh tensor")
+    out = inp.new_empty((t, h)) if out is None else out
+    pp = probs.new_empty((t,)) if probs is not None else inp.new_empty(0)
+    if c == 0:  # no chunks: every row stays
+        out.copy_(inp)
+        if side is not None:
+            side_out.copy_(side)
+        return out, pp.copy_(probs) if probs is not None else pp
+    # the kernel steps columns, probs and the chunk tables by 1 (rows by their stride)
+    inp, probs = unit_stride(inp), unit_stride(probs)
+    split_sizes, sorted_index = split_sizes.contiguous(), sorted_index.contiguous()
+    views = _int32_views(inp, out) if o.words else None  # byte rows: 4 bytes a lane
+    words = views is not None
+    src, dst = views or (inp, out)
+    hw = src.shape[1]
+    br, bh, steps = sort_chunks_tile(t, hw, src.element_size(), c, words, block_h=o.block_h,
+                                     steps=o.steps, max_scan=o.max_scan)
+    has_s = side is not None
+    side = unit_stride(side)
+    if has_s and o.side_words:  # (views of the caller's side_out: written in place)
+        side, side_out = _int32_views(side, side_out) or (side, side_out)
+    ns = side.shape[1] if has_s else 0
+    side_wide = bh <= SIDE_WIDE_MAX_COLS if o.side_wide is None else o.side_wide
+    sort_chunks_kernel[(max(1, cdiv(t, br * steps)), cdiv(max(hw, 1), bh))](
+        src, dst, split_sizes, sorted_index, probs, pp if probs is not None else None, side,
+        side_out if has_s else None, t, hw, c, ns, src.stride(0),
+        side.stride(0) if has_s else None, INVERSE=inverse, CHECK=check,
+        HAS_P=probs is not None, HAS_SIDE=has_s, BLOCK_C=next_pow2(c), BLOCK_R=br,
+        BLOCK_H=bh, BLOCK_S=next_pow2(max(ns, 1)), SIDE_WIDE=side_wide and bh >= ns,
+        STEPS=steps, num_warps=o.num_warps or SORT_CHUNKS_WARPS,
+        **assert_options(),  # check_chunks, assert_probs_not_nan
+    )
+    return out, pp
+
+
+def _int32_views(
+    a: torch.Tensor, b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(a, b)`` (b shaped as a) viewed as int32 words, or None unless both are 1-byte
+    rows that allow it (unit column stride; width, row stride and offset multiples of 4)."""
+    h = a.shape[1]
+    if a.element_size() != 1 or not all(
+            x.stride(1) == 1 and h % 4 == 0 and x.stride(0) % 4 == 0
+            and x.storage_offset() % 4 == 0 for x in (a, b)):
+        return None
+    return a.view(torch.int32), b.view(torch.int32)
+
+
+def gather_rows_triton(
+    x: torch.Tensor, src: torch.Tensor, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``out[r] = x[src[r]]`` for ``x [T, H]`` and ``src [R]`` int64 (all in range): the
+    chunk sort's CUDA path past ``MAX_KERNEL_CHUNKS`` chunks. ``out`` (tests: poisoned)
+    receives the rows. No host sync."""
+    r, h = src.shape[0], x.shape[1]
+    if out is None:
+        out = torch.empty(r, h, dtype=x.dtype, device=x.device)
+    if r == 0 or h == 0:
+        return out
+    x, src = unit_stride(x), src.contiguous()
+    br, bh, nw = gather_tile(h, x.element_size())
+    gather_rows_kernel[(cdiv(r, br), cdiv(h, bh))](
+        x, out, src, r, h, x.stride(0), BLOCK_R=br, BLOCK_H=bh, num_warps=nw
+    )
+    return out

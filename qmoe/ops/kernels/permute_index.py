@@ -1,5 +1,6 @@
 """Triton code of the index-map permute that builds its map rows in the scatter launch
-(launcher: ``qmoe/ops/permute_index.py``), the index-map counterpart of
+and its launcher ``permute_index_triton`` (the CUDA kernel of ``qmoe::permute_index``
+where it wins: ``tuning.fused_index_wins``), the index-map counterpart of
 ``permute_mask_kernel``.
 
 Glossary: T tokens, K slots per token, E experts (known: ``num_experts``), H hidden, N
@@ -18,12 +19,25 @@ of the block are compared with the token's, K x K compares) rather than per expe
 PDL the programs load their data rows before waiting for the scan (``gdc_wait``).
 """
 
+from __future__ import annotations
+
+import torch
 import triton
 import triton.language as tl
 
-from qmoe.ops._kernels.permute import store_routes, zero_rows
-from qmoe.ops._kernels.permute_mask import routes_at, unwritten_range
-from qmoe.ops._kernels.row_id_map import index_row, write_map_row
+from qmoe._intmath import cdiv, next_pow2
+from qmoe.ops.kernels.permute import store_routes, zero_rows
+from qmoe.ops.kernels.permute_mask import fused_outputs, no_routes, routes_at, unwritten_range
+from qmoe.ops.kernels.row_id_map import index_block_counts, index_row, write_map_row
+from qmoe.ops.launch import assert_options, pdl_default, pdl_options, unit_stride
+from qmoe.ops.tuning import (
+    FUSED_INDEX_BLOCK_T,
+    FUSED_INDEX_WARPS,
+    PermuteIndexTiling,
+    map_tiling,
+    scatter_tile,
+    tail_programs,
+)
 
 
 @triton.jit
@@ -113,3 +127,53 @@ def permute_index_kernel(
         first = tl.program_id(1) == 0
         zero_rows(lo, hi, N, out_ptr, H, cols, hmask, side_out_ptr, NS, sc,
                   sc < tl.where(first, NS, 0), pp_ptr, first, HAS_SIDE, HAS_P)
+
+
+# -------------------------------------------------------------------------- launcher
+
+
+def permute_index_triton(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    n: int,
+    num_experts: int,
+    probs: torch.Tensor | None = None,
+    side: torch.Tensor | None = None,
+    tiling: PermuteIndexTiling | None = None,
+    *,
+    out: torch.Tensor | None = None,
+):
+    """``(out [N, H], permuted_probs [N] or empty, side_out [N, NS] or empty, row_id_map
+    [T, 2K+1] int32)`` of ``x [T, H]`` by the index map ``ids [T, K]`` (expert ids in
+    ``[-1, num_experts)``, ``-1`` not routed; an id outside fails a device assert, and
+    the public ops reject it first), with ``probs [T, K]`` and side rows ``[T, NS]`` moved
+    alike: as ``make_row_id_map(ids, N, True, 1)`` then the scatter, bit for bit. ``tiling``
+    overrides the count block, warps and PDL (``PermuteIndexTiling``); ``out`` (tests:
+    poisoned) receives the rows. Three launches, no host sync."""
+    o = tiling or PermuteIndexTiling()
+    t, h = x.shape
+    k = ids.shape[1]
+    e = num_experts
+    if e < 1:
+        raise ValueError(f"permute_index_triton: num_experts must be >= 1, got {e}")
+    out, pp, so, rid = outputs = fused_outputs(x, ids, n, probs, side, out)
+    if t == 0 or k == 0:
+        return no_routes(outputs)
+    ns = so.shape[1] if side is not None else 0
+    ids, x, side, probs = unit_stride(ids), unit_stride(x), unit_stride(side), unit_stride(probs)
+    pdl = pdl_default(x) if o.pdl is None else o.pdl
+    block_t = o.block_t or FUSED_INDEX_BLOCK_T
+    before, total = index_block_counts(ids, e, block_t, map_tiling(t, e).num_warps, pdl)
+    bh, _, kb = scatter_tile(h, x.element_size(), False)
+    z = tail_programs(n)
+    has_p, has_s = probs is not None, side is not None
+    permute_index_kernel[(t + z, cdiv(max(h, 1), bh))](
+        x, out, ids, before, total, rid, probs, pp if has_p else None, side,
+        so if has_s else None, t, n, h, k, e, ns, z, x.stride(0), ids.stride(0),
+        probs.stride(0) if has_p else None, side.stride(0) if has_s else None,
+        HAS_P=has_p, HAS_SIDE=has_s, BLOCK_T=block_t, BLOCK_K=next_pow2(k),
+        BLOCK_E=next_pow2(e), KB=kb, BLOCK_H=bh, BLOCK_S=next_pow2(max(ns, 1)), PDL=pdl,
+        num_warps=o.num_warps or FUSED_INDEX_WARPS, **pdl_options(pdl),
+        **assert_options(),  # assert_probs_not_nan
+    )
+    return out, pp, so, rid

@@ -1,4 +1,7 @@
-"""Triton code for the fused quantize-and-permute (launcher: ``qmoe/ops/quantize_permute.py``).
+"""Triton code of the fused quantize-and-permute and its launchers
+``quantize_permute_triton`` (map given) and ``quantize_permute_mask_triton`` (map built
+in the launch), the CUDA kernels of ``qmoe::quantize_permute`` and
+``qmoe::quantize_permute_mask``.
 
 Glossary: T tokens, H hidden, S map slots per token, N output rows, P probs columns,
 BS the scale block along H, NB = ceil(H / BS) blocks per row, GROUPS blocks per step,
@@ -20,12 +23,49 @@ the padding alignment): each token program builds its own map row first, as
 experts' totals.
 """
 
+from __future__ import annotations
+
+import torch
 import triton
 import triton.language as tl
 
-from qmoe.ops._kernels.permute import assert_probs_not_nan, zero_fill_rows, zero_rows
-from qmoe.ops._kernels.permute_mask import map_token, next_rows, routes_at, unwritten_range
-from qmoe.tensors._kernels.quantize import quantize_tile
+from qmoe._intmath import cdiv, next_pow2
+from qmoe.ops.kernels.permute import (
+    assert_probs_not_nan,
+    permute_rows_triton,
+    scatter_programs,
+    zero_fill_rows,
+    zero_rows,
+    zero_unwritten_rows,
+)
+from qmoe.ops.kernels.permute_mask import map_token, next_rows, routes_at, unwritten_range
+from qmoe.ops.kernels.row_id_map import block_counts
+from qmoe.ops.launch import (
+    assert_options,
+    mask_operand,
+    num_slots,
+    pdl_default,
+    pdl_options,
+    unit_stride,
+)
+from qmoe.ops.tuning import (
+    MASK_QUANT_STEPS,
+    MASK_QUANT_TILE,
+    QUANT_PERMUTE_KB,
+    QUANT_PERMUTE_WARPS,
+    QuantizePermuteTiling,
+    count_chunk,
+    fused_map_tiling,
+    quantize_permute_columns,
+    reg_routes_flag,
+    small_mask,
+    tail_programs,
+)
+from qmoe.tensors import layouts
+from qmoe.tensors.kernels.quantize import SCALE_GIVEN, quantize_tile
+from qmoe.tensors.layouts import EPS, SCALE_MODES, emax_elem, fp8_fields, scale_dtype
+from qmoe.tensors.recipes import fp8_max
+from qmoe.tensors.tuning import PER_TENSOR_BLOCK
 
 
 @triton.jit
@@ -72,7 +112,7 @@ def quantize_permute_kernel(
                 blocks, cols = chunk_at(pid_g * STEPS + i, BS, GROUPS)
                 zero_fill_rows(pid - T, fill_ptr, R, Z, N, q_ptr, H, cols, cols < H, s_ptr, NB,
                                blocks, blocks < NB, pp_ptr, pid_g * STEPS + i == 0,
-                               SCALE_MODE != 3, HAS_P)
+                               SCALE_MODE != SCALE_GIVEN, HAS_P)
     else:
         t = pid.to(tl.int64)
         x_row = x_ptr + t * stride_x
@@ -149,7 +189,7 @@ def _store_quantized(t, q, stored, d, col, keep, q_ptr, s_ptr, p_ptr, pp_ptr, wr
     smask = (blocks < NB)[None, :]  # (1, GROUPS)
     tl.store(q_ptr + d[:, None, None] * H + cols[None, :, :],
              tl.broadcast_to(q, (KB, GROUPS, BS)), mask=keep[:, None, None] & mask)
-    if SCALE_MODE != 3:
+    if SCALE_MODE != SCALE_GIVEN:
         tl.store(s_ptr + d[:, None] * NB + blocks[None, :],
                  tl.broadcast_to(stored, (KB, GROUPS)), mask=keep[:, None] & smask)
     if first:
@@ -247,4 +287,124 @@ def quantize_permute_mask_kernel(
         for i in tl.static_range(STEPS):
             blocks, cols = chunk_at(pid_g * STEPS + i, BS, GROUPS)
             zero_rows(lo, hi, N, q_ptr, H, cols, cols < H, s_ptr, NB, blocks, blocks < NB,
-                      pp_ptr, pid_g * STEPS + i == 0, SCALE_MODE != 3, HAS_P)
+                      pp_ptr, pid_g * STEPS + i == 0, SCALE_MODE != SCALE_GIVEN, HAS_P)
+
+
+# ------------------------------------------------------------------------- launchers
+
+
+def _outputs(x, n, block_size, fp8_dtype, scale_mode, scale, probs, poison):
+    """``(q [N, H] uint8, scale out, pp [N] or empty, BS, NB)`` of the fused kernels,
+    allocated (``poison``: filled with 0xFF bytes first, so a row a kernel misses shows)."""
+    given = scale_mode == "given"
+    bs = PER_TENSOR_BLOCK if given else block_size  # per-tensor: the block is the tile width
+    nb = cdiv(x.shape[1], bs)
+    q = torch.empty((n, x.shape[1]), dtype=torch.uint8, device=x.device)
+    if given:
+        s_out = scale.float().reshape(()).clone()
+    else:
+        s_out = torch.empty((n, nb), dtype=scale_dtype(scale_mode), device=x.device)
+    pp = probs.new_empty((n,)) if probs is not None else x.new_empty(0)
+    if poison:
+        for buf in (q, pp) if given else (q, s_out, pp):
+            buf.view(torch.uint8).fill_(0xFF)
+    return q, s_out, pp, bs, nb
+
+
+def _consts(x, fp8_dtype, scale_mode, bs, nb, tile, steps) -> dict:
+    """The quantizing constexprs of the fused kernels, and the column tiling: ``tile`` row
+    elements a step, ``steps`` steps a program (0: the whole row, so a token's map row is
+    read or built once); a tile or steps not given (None) is
+    ``tuning.quantize_permute_columns``'s."""
+    tile, steps = quantize_permute_columns(x.shape[1], tile, steps)
+    groups = max(1, min(tile // bs, next_pow2(nb)))
+    mb, bias = fp8_fields(fp8_dtype)
+    return dict(FP8_MAX=fp8_max(fp8_dtype), EMAX_ELEM=emax_elem(fp8_dtype), EPS=EPS,
+                SCALE_MODE=(layouts.SCALE_GIVEN if scale_mode == "given"
+                            else SCALE_MODES[scale_mode]),
+                MB=mb, BIAS=bias, HW_CAST=x.is_cuda, BS=bs,
+                GROUPS=groups, STEPS=steps or cdiv(nb, groups))
+
+
+def _column_programs(nb: int, consts: dict) -> int:
+    """The grid's column programs a row: ``GROUPS * STEPS`` scale blocks each."""
+    return cdiv(nb, consts["GROUPS"] * consts["STEPS"])
+
+
+def quantize_permute_triton(x, rid, probs, n, block_size, fp8_dtype, scale_mode, scale,
+                            fill=None, tiling: QuantizePermuteTiling | None = None, *,
+                            poison=False):
+    """``(qdata [N, H] fp8, scale [N, NB] or [], permuted_probs [N] or empty)`` of ``x [T,
+    H]`` quantized (``block_size``, ``fp8_dtype``, ``scale_mode``; ``scale``: the given
+    per-tensor scale) and moved to the rows of ``rid`` in one launch. ``fill``: as
+    ``permute_rows_triton``'s (zero the unwritten rows in the same launch). ``tiling``
+    overrides ``tile``, ``steps``, ``kb`` and ``num_warps`` (``QuantizePermuteTiling``).
+    ``poison`` (tests) fills the outputs with 0xFF bytes first, so a row the kernel misses
+    shows. No host sync."""
+    o = tiling or QuantizePermuteTiling()
+    t, h = x.shape
+    q, s_out, pp, bs, nb = _outputs(x, n, block_size, fp8_dtype, scale_mode, scale, probs,
+                                    poison)
+    if n == 0:
+        return q.view(fp8_dtype), s_out, pp
+    if h == 0:  # no columns: empty bits and scale rows, nothing to quantize; probs move
+        if probs is not None:
+            permute_rows_triton(x, rid, n, probs=probs, probs_out=pp, fill=fill)
+        return q.view(fp8_dtype), s_out, pp
+    x, probs, rid = unit_stride(x), unit_stride(probs), rid.contiguous()
+    fill = fill.contiguous() if fill is not None else None
+    given, has_p, has_f = scale_mode == "given", probs is not None, fill is not None
+    written = fill if has_f else torch.zeros(n, dtype=torch.int8, device=x.device)
+    consts = _consts(x, fp8_dtype, scale_mode, bs, nb, o.tile, o.steps)
+    progs, r, z = scatter_programs(t, n, fill)
+    if progs:
+        quantize_permute_kernel[(progs, _column_programs(nb, consts))](
+            x, q, s_out, rid, probs if has_p else x, pp if has_p else written, written,
+            fill if has_f else written, t, n, h, nb, num_slots(rid), r, z, x.stride(0),
+            probs.stride(0) if has_p else 0, HAS_P=has_p, HAS_FILL=has_f,
+            KB=o.kb or QUANT_PERMUTE_KB, num_warps=o.num_warps or QUANT_PERMUTE_WARPS,
+            **assert_options(), **consts,  # assert_probs_not_nan
+        )
+    if not has_f:
+        zero_unwritten_rows(q, written, pp if has_p else None, None if given else s_out)
+    return q.view(fp8_dtype), s_out, pp
+
+
+def quantize_permute_mask_triton(x, mask, n, align_size, probs, block_size, fp8_dtype,
+                                 scale_mode, scale, tiling: QuantizePermuteTiling | None = None,
+                                 *, poison=False):
+    """``(q, scale, permuted_probs, row_id_map [T, 2E+1] int32)`` of ``x [T, H]`` by
+    ``mask [T, E]`` (T, H, E >= 1) with the map built in the fused launch: as
+    ``make_row_id_map`` then ``quantize_permute_triton``, bit for bit. ``tiling``: as
+    ``FusedMaskTiling`` for the map's launches; ``tile`` defaults to ``MASK_QUANT_TILE`` at
+    every H (a token's map work is done once a program, so splitting a row over programs
+    repeats it), ``steps`` to ``MASK_QUANT_STEPS``. No host sync."""
+    o = tiling or QuantizePermuteTiling()
+    t, h = x.shape
+    e = mask.shape[1]
+    q, s_out, pp, bs, nb = _outputs(x, n, block_size, fp8_dtype, scale_mode, scale, probs,
+                                    poison)
+    rid = mask.new_empty((t, 2 * e + 1), dtype=torch.int32)
+    m = mask_operand(mask)
+    x, probs = unit_stride(x), unit_stride(probs)
+    d = fused_map_tiling(t, e)
+    bt, map_warps = o.block_t or d.block_t, o.map_warps or d.num_warps
+    small = o.one_launch if o.one_launch is not None else small_mask(m)
+    pdl = not small and (pdl_default(x) if o.pdl is None else o.pdl)
+    before, total = (None, None) if small else block_counts(m, bt, map_warps, pdl)
+    ranges = e if align_size > 1 else 0
+    z = tail_programs(n)
+    has_p = probs is not None
+    be = next_pow2(e)
+    nw = o.num_warps or QUANT_PERMUTE_WARPS
+    steps = MASK_QUANT_STEPS if o.steps is None else o.steps
+    consts = _consts(x, fp8_dtype, scale_mode, bs, nb, o.tile or MASK_QUANT_TILE, steps)
+    quantize_permute_mask_kernel[(t + ranges + z, _column_programs(nb, consts))](
+        x, q, s_out, m, before, total, rid, probs, pp if has_p else None, t, n, h, nb, e,
+        max(align_size, 1), z, x.stride(0), m.stride(0), probs.stride(0) if has_p else None,
+        HAS_P=has_p, SMALL=small, BLOCK_T=bt, BLOCK_E=be,
+        CHUNK_T=count_chunk(t, be, nw), KB=o.kb or QUANT_PERMUTE_KB,
+        REG_ROUTES=reg_routes_flag(be, o.reg_routes), PDL=pdl, num_warps=nw,
+        **pdl_options(pdl), **assert_options(), **consts,  # assert_probs_not_nan
+    )
+    return q.view(fp8_dtype), s_out, pp, rid

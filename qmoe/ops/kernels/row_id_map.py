@@ -1,12 +1,12 @@
 """Triton code building the mask-map row_id_map in three launches, or one for small masks.
 
 Glossary: T tokens, E experts, N output rows, NBLK blocks of BLOCK_T tokens (one row of
-counts each), BLOCK_E = next_pow2(E), A the padding alignment. Launcher:
-``qmoe/ops/row_id_map.py``. Both mask passes walk a block one token row at a time, as 1D
-``[BLOCK_E]`` vectors in an unrolled loop. The count pass only adds rows (its loads issue
-together; no cross-thread step). The map pass keeps each expert's running count in
-registers (a token's rank inside the block needs no scan down the tokens), loads PREFETCH
-rows ahead, and per row does one scan and one sum across the row's experts.
+counts each), BLOCK_E = next_pow2(E), A the padding alignment. Both mask passes walk a
+block one token row at a time, as 1D ``[BLOCK_E]`` vectors in an unrolled loop. The count
+pass only adds rows (its loads issue together; no cross-thread step). The map pass keeps
+each expert's running count in registers (a token's rank inside the block needs no scan
+down the tokens), loads PREFETCH rows ahead, and per row does one scan and one sum across
+the row's experts.
 
 1. ``mask_block_counts_kernel``: each block's token count per expert, ``[NBLK, E]``.
 2. ``block_scan_kernel``: per expert, the exclusive prefix of those counts over the
@@ -24,10 +24,27 @@ and 2 done redundantly, per program), then map its block as pass 3 does. At that
 host cost of a launch (tens of microseconds) outweighs the redundant reads. Small index
 maps likewise take one launch (``index_row_id_map_small_kernel``, counting ranks instead
 of sorting); larger ones are built with torch sorts (``row_id_map.py``).
+
+Launchers (at the end): ``block_counts`` / ``index_block_counts`` (passes 1 and 2, also
+used by the fused permutes), ``mask_rows_triton`` and ``index_rows_triton``.
 """
 
+from __future__ import annotations
+
+import torch
 import triton
 import triton.language as tl
+
+from qmoe._intmath import cdiv, next_pow2
+from qmoe.ops.launch import mask_operand, pdl_options, unit_stride
+from qmoe.ops.tuning import (
+    MaskMapTiling,
+    map_tiling,
+    scan_tile,
+    small_index_tile,
+    small_map_walk,
+    small_mask,
+)
 
 
 @triton.jit
@@ -311,3 +328,111 @@ def index_row_id_map_small_kernel(
     if t == 0:
         tl.store(fill_ptr, tl.minimum(tl.sum(total, axis=0), N))
         tl.store(fill_ptr + 1, N)
+
+
+# ------------------------------------------------------------------------- launchers
+
+
+def block_counts(m: torch.Tensor, block_t: int, num_warps: int, pdl: bool = False):
+    """``(before [cdiv(T, block_t), E], total [E])`` int32 of a mask ``m [T, E]`` (from
+    ``mask_operand``) in two launches: each block's tokens per expert, then their exclusive
+    prefix over the blocks (tokens of earlier blocks) and each expert's total. ``pdl``
+    (Hopper): the scan launches as a programmatic dependent of the count pass and lets the
+    next launch (a fused kernel with ``launch_pdl=True``, which must ``gdc_wait`` before
+    reading these) start early; the count pass itself launches in stream order."""
+    t, e = m.shape
+    nblk = cdiv(t, block_t)
+    before = m.new_empty((nblk, e), dtype=torch.int32)
+    total = m.new_empty((e,), dtype=torch.int32)
+    mask_block_counts_kernel[(nblk,)](m, before, t, e, m.stride(0), BLOCK_T=block_t,
+                                      BLOCK_E=next_pow2(e), PDL=pdl, num_warps=num_warps)
+    _scan_block_counts(before, total, pdl)
+    return before, total
+
+
+def index_block_counts(ids: torch.Tensor, e: int, block_t: int, num_warps: int,
+                       pdl: bool = False):
+    """``block_counts`` of an index map ``ids [T, K]`` (ids in ``[-1, e)``, unit column
+    stride): routes per expert of each block, then their scan and each expert's total."""
+    t, k = ids.shape
+    nblk = cdiv(t, block_t)
+    before = ids.new_empty((nblk, e), dtype=torch.int32)
+    total = ids.new_empty((e,), dtype=torch.int32)
+    index_block_counts_kernel[(nblk,)](ids, before, t, k, e, ids.stride(0), BLOCK_T=block_t,
+                                       BLOCK_K=next_pow2(k), BLOCK_E=next_pow2(e), PDL=pdl,
+                                       num_warps=num_warps)
+    _scan_block_counts(before, total, pdl)
+    return before, total
+
+
+def _scan_block_counts(before: torch.Tensor, total: torch.Tensor, pdl: bool) -> None:
+    """The scan launch of ``block_counts``: ``before [NBLK, E]`` in place to the counts of
+    earlier blocks, ``total [E]`` the sums."""
+    nblk, e = before.shape
+    cols, chunk = scan_tile(nblk, e)
+    block_scan_kernel[(cdiv(e, cols),)](before, total, nblk, e, CHUNK_B=chunk, COLS=cols,
+                                        PDL=pdl, **pdl_options(pdl))
+
+
+def mask_rows_triton(
+    routing_map: torch.Tensor,
+    num_out_tokens: int,
+    align_size: int,
+    fill: torch.Tensor,
+    tiling: MaskMapTiling | None = None,
+) -> torch.Tensor:
+    """``row_id_map [T, 2E+1]`` int32 of a mask ``[T, E]``, writing ``fill``
+    (``[R, 2]`` int32, allocated by the caller: ``launch.fill_count`` rows) in the same
+    launches: three (counts, scan, map), or one for masks of at most ``SMALL_MAP_BYTES``.
+    ``tiling`` overrides ``map_tiling`` and the form (tests shrink the blocks to reach many
+    with small inputs; the sweep tries others). PDL stays off by default: ``python -m
+    benchmarks sweep map --pdl 0,1`` on the H200 (docs/benchmarks.md, "Mask map
+    (`make_row_id_map`, `map_tiling`)"): 0.5-1.9 us faster at dsv3, qwen3next and mixtral,
+    twice as slow at qwen3 and gptoss (one-warp map programs); unlike the fused kernels,
+    the map pass has no loads to issue before its wait. No host sync."""
+    t, e = routing_map.shape
+    if t == 0 or e == 0:  # no routes: empty map rows; every row of the output unwritten
+        rid = routing_map.new_full((t, 2 * e + 1), -1, dtype=torch.int32)
+        rid[:, -1] = 0
+        fill.zero_()[-1, 1] = num_out_tokens
+        return rid
+    o = tiling or MaskMapTiling()
+    d = map_tiling(t, e)
+    bt, nw, pf = o.block_t or d.block_t, o.num_warps or d.num_warps, o.prefetch or d.prefetch
+    if bt < 1 or pf < 1 or nw < 1 or nw & (nw - 1):
+        raise ValueError(f"map tiling {tiling}: block_t and prefetch must be >= 1 and "
+                         "num_warps a power of two")
+    rid = routing_map.new_empty((t, 2 * e + 1), dtype=torch.int32)
+    m = mask_operand(routing_map)
+    be = next_pow2(e)
+    nblk = cdiv(t, bt)
+    a = max(align_size, 1)
+    if o.one_launch if o.one_launch is not None else small_mask(m):
+        chunk, small_warps = small_map_walk(t, be, nw)
+        mask_row_id_map_small_kernel[(nblk,)](
+            m, rid, fill, t, e, num_out_tokens, a, m.stride(0), BLOCK_T=bt, BLOCK_E=be,
+            CHUNK_T=chunk, PREFETCH=min(pf, bt), num_warps=small_warps,
+        )
+        return rid
+    counts, total = block_counts(m, bt, nw, o.pdl)
+    mask_row_id_map_kernel[(nblk,)](
+        m, counts, total, rid, fill, t, e, num_out_tokens, a, m.stride(0),
+        BLOCK_T=bt, BLOCK_E=be, PREFETCH=min(pf, bt), PDL=o.pdl, num_warps=nw,
+        **pdl_options(o.pdl),
+    )
+    return rid
+
+
+def index_rows_triton(routing_map: torch.Tensor, num_out_tokens: int):
+    """``(row_id_map [T, 2K+1], fill [1, 2])`` int32 of a small index map ``[T, K]`` in one
+    launch (``tuning.small_index_map``); equal to the sorting build's. No host sync."""
+    t, k = routing_map.shape
+    ids = unit_stride(routing_map)
+    rid = ids.new_empty((t, 2 * k + 1), dtype=torch.int32)
+    fill = rid.new_empty((1, 2))
+    chunk, nw = small_index_tile(t, k)
+    index_row_id_map_small_kernel[(t,)](
+        ids, rid, fill, t, k, num_out_tokens, ids.stride(0), BLOCK_K=next_pow2(k),
+        CHUNK=chunk, num_warps=nw,
+    )
+    return rid, fill

@@ -1,4 +1,6 @@
-"""Triton code for token permutation (launchers in ``qmoe/ops/backend.py``).
+"""Triton code of the scatter that moves token rows to their permuted rows, and its
+launcher ``permute_rows_triton`` (the CUDA kernel of ``qmoe::permute``; the fused permutes
+share its device functions).
 
 Glossary: T tokens, H hidden, S slots per token in the row_id_map, N output rows,
 P columns of the probs tensor (E for a mask map, K for an index map), R row ranges in
@@ -10,10 +12,15 @@ columns that weight them. Programs cover one token (or one block of rows) and on
 ``BLOCK_H`` chunk of the hidden dim; row offsets are int64, so N*H may pass 2**31.
 """
 
+from __future__ import annotations
+
+import torch
 import triton
 import triton.language as tl
 
-from qmoe.tensors._kernels.quantize import fp8_bits_to_fp32
+from qmoe._intmath import cdiv, next_pow2
+from qmoe.ops.launch import assert_options, num_slots, unit_stride
+from qmoe.ops.tuning import scatter_tile, tail_programs, zero_rows_tile
 
 
 @triton.jit
@@ -238,219 +245,90 @@ def zero_rows_kernel(
             tl.store(out_ptr + offs, zero, mask=todo[:, None] & (cols < H)[None, :])
 
 
-@triton.jit
-def _route(mrow, S, s, n, w_row_ptr, P, HAS_W: tl.constexpr):
-    """Route s of a token: ``(row, weight, bad weight column)``; weight 1.0 without HAS_W.
-    ``s`` is clamped into ``[0, max(n, 1))``, so a load past the last route, or for a token
-    with none, stays inside the map row (the launcher skips maps with S = 0). The bf16/fp16/
-    fp32 merge loads route s + 1 this way while route s's row is in flight, so each route
-    costs one memory round trip, not two (the map entry, then the row)."""
-    sc = tl.maximum(tl.minimum(s, n - 1), 0)
-    d = tl.load(mrow + sc).to(tl.int64)
-    w, cbad = _route_weight(mrow, S, sc, w_row_ptr, P, HAS_W)
-    return d, w, cbad
+# ------------------------------------------------------------------------- launchers
 
 
-@triton.jit
-def _route_weight(mrow, S, s, w_row_ptr, P, HAS_W: tl.constexpr):
-    """Route s's weight ``w_row_ptr[map[S + s]]`` (fp32) and 1 if that column is outside
-    ``[0, P)`` (then a column inside is read instead: the weights row holds at least one
-    column even when P = 0); ``(1.0, 0)`` without HAS_W."""
-    if HAS_W:
-        c = tl.load(mrow + S + s)
-        return (tl.load(w_row_ptr + tl.minimum(tl.maximum(c, 0), tl.maximum(P - 1, 0))).to(
-                tl.float32),
-                ((c < 0) | (c >= P)).to(tl.int32))
-    else:
-        return 1.0, 0
+def permute_rows_triton(
+    x: torch.Tensor,
+    rid: torch.Tensor,
+    n: int,
+    weights: torch.Tensor | None = None,
+    *,
+    probs: torch.Tensor | None = None,
+    probs_out: torch.Tensor | None = None,
+    side: torch.Tensor | None = None,
+    side_out: torch.Tensor | None = None,
+    fill: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``out [N, H]``: each token's row of ``x [T, H]`` (times ``weights[t, col]``,
+    ``weights [T, P]`` float, if given) at its rows of ``rid`` (row_id_map); rows no route
+    writes are zero. With ``probs [T, P]``, also fills ``probs_out [N]`` (probs' dtype) with
+    each route's ``probs[t, col]`` at its row, zero elsewhere, in the same pass; with
+    ``side [T, NS]`` (block scales of quantized rows), fills ``side_out [N, NS]`` alike.
+    ``fill`` (``[R, 2]`` int32 from ``make_row_id_map``: the rows no route writes) lets
+    the kernel zero those rows in the same launch; without it the rows written are
+    flagged and a second launch zeroes the rest. ``out`` (tests: poisoned) receives the
+    rows. No host sync."""
+    t, h = x.shape
+    if out is None:
+        out = torch.empty(n, h, dtype=x.dtype, device=x.device)
+    if n == 0:
+        return out
+    x, weights, probs = unit_stride(x), unit_stride(weights), unit_stride(probs)
+    rid = rid.contiguous()  # rows of 2S+1 entries
+    fill = fill.contiguous() if fill is not None else None
+    bh, nw, kb = scatter_tile(h, x.element_size(), weights is not None)
+    has_f = fill is not None
+    # Arguments a launch does not use go in as None (Triton makes them compile-time
+    # constants): each tensor argument costs about 2 us of host time per launch in Triton's
+    # binding, which is most of a small eager call (``python -m benchmarks profile small``).
+    written = None if has_f else torch.zeros(n, dtype=torch.int8, device=x.device)
+    has_p = probs is not None
+    has_s = side is not None
+    side = unit_stride(side)
+    ns = side.shape[1] if has_s else 0
+    progs, r, z = scatter_programs(t, n, fill)
+    if progs:
+        has_w = weights is not None
+        permute_scatter_kernel[(progs, cdiv(max(h, 1), bh))](
+            x, out, rid, weights, written, fill, probs, probs_out if has_p else None, side,
+            side_out if has_s else None, t, n, h,
+            num_slots(rid), ns, r, z, x.stride(0), weights.stride(0) if has_w else None,
+            probs.stride(0) if has_p else None, side.stride(0) if has_s else None,
+            HAS_W=has_w, HAS_P=has_p, HAS_SIDE=has_s, HAS_FILL=has_f, KB=kb, BLOCK_H=bh,
+            BLOCK_S=next_pow2(max(ns, 1)), num_warps=nw,
+            **assert_options(),  # assert_probs_not_nan
+        )
+    if not has_f:
+        zero_unwritten_rows(out, written, probs_out if has_p else None,
+                            side_out if has_s else None)
+    return out
 
 
-@triton.jit
-def _checked_row(d, N_IN, hmask, bad, BLOCK_H: tl.constexpr):
-    """A route's input row kept inside ``[0, N_IN)``: ``(row, load mask, bad)``. An
-    out-of-range row becomes row 0 with an empty mask (it adds zero), and sets ``bad`` (the
-    merge kernels' ``(1,)`` int32 problem flag)."""
-    inr = (d >= 0) & (d < N_IN)
-    dv = tl.zeros((BLOCK_H,), dtype=tl.int64) + d
-    lmask = hmask & (dv >= 0) & (dv < N_IN)
-    return tl.where(inr, d, 0), lmask, bad | (~inr).to(tl.int32)
+def zero_unwritten_rows(
+    out: torch.Tensor,
+    written: torch.Tensor,
+    probs_out: torch.Tensor | None = None,
+    side_out: torch.Tensor | None = None,
+) -> None:
+    """Zero the rows of ``out`` ``[N, H]`` (and of ``probs_out`` ``[N]``, ``side_out``
+    ``[N, NS]``) whose ``written`` flag (``[N]`` int8) a scatter left 0."""
+    n, h = out.shape
+    ns = side_out.shape[1] if side_out is not None else 0
+    br, bh, nw = zero_rows_tile(h)
+    zero_rows_kernel[(cdiv(n, br),)](
+        out, written, probs_out, side_out, n, h, ns, HAS_P=probs_out is not None,
+        HAS_SIDE=side_out is not None, BLOCK_R=br, BLOCK_H=bh,
+        BLOCK_S=next_pow2(max(ns, 1)), num_warps=nw,
+    )
 
 
-@triton.jit
-def _merge_add(acc, x, w, cbad, bad, HAS_W: tl.constexpr):
-    """``acc + x * w`` (``acc + x`` without HAS_W); a NaN weight or a weight column outside
-    the probs (``cbad``) sets ``bad``."""
-    if HAS_W:
-        return acc + x * w, bad | (w != w).to(tl.int32) | cbad
-    else:
-        return acc + x, bad
-
-
-@triton.jit
-def check_routes(bad):
-    """The merge kernels' input check: a device-side assert that ``bad`` ((1,) int32, set
-    by ``_checked_row`` / ``_merge_add``) is 0. Compiled in only when the kernel is launched
-    with ``debug=True`` (the launchers pass ``backend.assert_options()``); it fails as
-    ``torch._assert_async`` does, surfacing at the next synchronization."""
-    tl.device_assert(bad == 0, "qmoe merge: row_id_map points past the rows of inp, or "
-                     "merging_probs holds NaN or fewer columns than the map's slots; pass "
-                     "the permute's output with the row_id_map built for it, and finite "
-                     "probs of the routing's shape")
-
-
-@triton.jit
-def unpermute_gather_kernel(
-    inp_ptr,  # (N, H) any float dtype, contiguous
-    out_ptr,  # (T, H) output dtype, contiguous
-    map_ptr,  # (T, 2S+1) int32
-    w_ptr,  # (T, P) merging weights, row stride stride_w (read only if HAS_W)
-    H,
-    S,
-    N_IN,
-    stride_w,
-    P,  # columns of the weights (a route's column >= P is an error; w_ptr holds >= 1)
-    HAS_W: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    EVICT: tl.constexpr,  # cache hint of the row loads and the store ("" or "evict_first")
-    PAIRS: tl.constexpr,  # two routes a step (else one)
-):
-    """out[t] = sum over t's rows of inp[row] (* weight), accumulated in fp32 in row order.
-    A row outside ``[0, N_IN)`` is never read (it adds zero and fails ``check_routes``), nor
-    a weight column outside ``[0, P)``. With PAIRS two routes' rows are in flight a step (loaded
-    together, then added in order) and the next two routes' map entries load meanwhile;
-    without, one route a step with the next one's map entry loading meanwhile."""
-    t = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    hmask = cols < H
-    mrow = map_ptr + t * (2 * S + 1)
-    n = tl.minimum(tl.load(mrow + 2 * S), S)
-    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    bad = tl.zeros((1,), dtype=tl.int32) + (n < 0).to(tl.int32)  # (1,): any problem seen
-    wrow = w_ptr + t * stride_w
-    if PAIRS:
-        acc, bad = _merge_pairs(inp_ptr, mrow, wrow, n, S, P, H, N_IN, cols, hmask, acc, bad,
-                                HAS_W, BLOCK_H, EVICT)
-    else:
-        d_next, w_next, c_next = _route(mrow, S, 0, n, wrow, P, HAS_W)
-        for s in range(0, n):
-            d, w, cbad = d_next, w_next, c_next
-            d_next, w_next, c_next = _route(mrow, S, s + 1, n, wrow, P, HAS_W)
-            d, lmask, bad = _checked_row(d, N_IN, hmask, bad, BLOCK_H)
-            x = tl.load(inp_ptr + d * H + cols, mask=lmask, other=0.0,
-                        eviction_policy=EVICT).to(tl.float32)
-            acc, bad = _merge_add(acc, x, w, cbad, bad, HAS_W)
-    tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=hmask,
-             eviction_policy=EVICT)
-    check_routes(bad)
-
-
-@triton.jit
-def _merge_pairs(inp_ptr, mrow, wrow, n, S, P, H, N_IN, cols, hmask, acc, bad,
-                 HAS_W: tl.constexpr, BLOCK_H: tl.constexpr, EVICT: tl.constexpr):
-    """``(acc, bad)`` after adding a token's n routes two a step (``unpermute_gather_kernel``'s
-    PAIRS loop; arguments as there, ``mrow`` / ``wrow`` its map and weights rows)."""
-    da, wa, ca = _route(mrow, S, 0, n, wrow, P, HAS_W)
-    db, wb, cb = _route(mrow, S, 1, n, wrow, P, HAS_W)
-    for s in range(0, n, 2):
-        d0, w0, c0 = da, wa, ca
-        d1, w1, c1 = db, wb, cb
-        da, wa, ca = _route(mrow, S, s + 2, n, wrow, P, HAS_W)
-        db, wb, cb = _route(mrow, S, s + 3, n, wrow, P, HAS_W)
-        d0, m0, bad = _checked_row(d0, N_IN, hmask, bad, BLOCK_H)
-        d1, m1, bad = _checked_row(d1, N_IN, hmask, bad, BLOCK_H)
-        # (BLOCK_H,): route s + 1 exists (a vector: the interpreter takes vector masks only;
-        # past the last route, _route repeats route n - 1, which is never added twice)
-        two = (cols * 0 + s + 1) < n
-        x0 = tl.load(inp_ptr + d0 * H + cols, mask=m0, other=0.0,
-                     eviction_policy=EVICT).to(tl.float32)
-        x1 = tl.load(inp_ptr + d1 * H + cols, mask=m1 & two, other=0.0,
-                     eviction_policy=EVICT).to(tl.float32)
-        acc, bad = _merge_add(acc, x0, w0, c0, bad, HAS_W)
-        acc1, bad = _merge_add(acc, x1, w1, c1, bad, HAS_W)
-        acc = tl.where(two, acc1, acc)
-    return acc, bad
-
-
-@triton.jit
-def gather_rows_kernel(
-    inp_ptr,  # (R_in, H) any dtype, row stride stride_in
-    out_ptr,  # (R, H) same dtype, contiguous
-    src_ptr,  # (R,) int64 source row of each output row
-    R,
-    H,
-    stride_in,
-    BLOCK_R: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-):
-    """out[r] = inp[src[r]]: each row read once and written once."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    rmask = rows < R
-    src = tl.load(src_ptr + rows, mask=rmask, other=0)
-    m = rmask[:, None] & (cols < H)[None, :]
-    x = tl.load(inp_ptr + src[:, None] * stride_in + cols[None, :], mask=m)
-    tl.store(out_ptr + rows.to(tl.int64)[:, None] * H + cols[None, :], x, mask=m)
-
-
-@triton.jit
-def unpermute_fp8_kernel(
-    q_ptr,  # (N, H) uint8: fp8 bits of the permuted rows, contiguous
-    s_ptr,  # LAYOUT 0: () fp32; 1: (N, NB) fp32 block scales; 2: (N, NB) uint8 e8m0 bits
-    out_ptr,  # (T, H) output dtype, contiguous
-    map_ptr,  # (T, 2S+1) int32
-    w_ptr,  # (T, P) merging weights, row stride stride_w (read only if HAS_W)
-    H,
-    S,
-    N_IN,
-    NB,
-    stride_w,
-    P,  # columns of the weights (a route's column >= P is an error; w_ptr holds >= 1)
-    LAYOUT: tl.constexpr,
-    BS: tl.constexpr,  # scale block along H (LAYOUT 1 and 2)
-    MB: tl.constexpr,
-    BIAS: tl.constexpr,
-    HW_CAST: tl.constexpr,
-    HAS_W: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    EVICT: tl.constexpr,  # cache hint of the fp8 row loads and the store ("" or "evict_first")
-):
-    """The merge of quantized rows: each row is dequantized in registers (fp8 value times
-    its block's scale, fp32) and summed in fp32 in row order, as ``unpermute_gather_kernel``."""
-    t = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    hmask = cols < H
-    mrow = map_ptr + t * (2 * S + 1)
-    n = tl.minimum(tl.load(mrow + 2 * S), S)
-    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    bad = tl.zeros((1,), dtype=tl.int32) + (n < 0).to(tl.int32)  # (1,): any problem seen
-    if LAYOUT == 0:
-        st = tl.load(s_ptr)
-    wrow = w_ptr + t * stride_w
-    # No load-ahead of the next route here: on the H200 it makes this kernel slower (MXFP8
-    # merge at qwen3: 78% of copy without, 60% with), while the bf16 merge gains from it
-    # (docs/benchmarks.md, "FP8 merge (`fp8_merge_tile`; no load-ahead)").
-    for s in range(0, n):
-        d, lmask, bad = _checked_row(tl.load(mrow + s).to(tl.int64), N_IN, hmask, bad, BLOCK_H)
-        b = tl.load(q_ptr + d * H + cols, mask=lmask, other=0, eviction_policy=EVICT)
-        v = fp8_bits_to_fp32(b, MB, BIAS, HW_CAST)
-        if LAYOUT == 0:
-            x = v * st
-        else:
-            # Unmasked, with the block index clamped into the row (d is a row of inp, or 0,
-            # and the launcher guarantees a row 0): a thread's columns then share one load;
-            # masked by column, the sm_90 build issued one load per column for fp32 scales.
-            sidx = d * NB + tl.minimum(cols // BS, NB - 1)
-            if LAYOUT == 1:
-                sc = tl.load(s_ptr + sidx)
-            else:
-                sb = tl.load(s_ptr + sidx).to(tl.int32)
-                sc = (sb << 23).to(tl.float32, bitcast=True)
-                sc = tl.where(sb == 0, 5.877471754111438e-39, sc)  # 2**-127
-                nan = tl.full(sc.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
-                sc = tl.where(sb == 255, nan, sc)
-            x = v * sc
-        w, cbad = _route_weight(mrow, S, s, wrow, P, HAS_W)
-        acc, bad = _merge_add(acc, x, w, cbad, bad, HAS_W)
-    tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=hmask,
-             eviction_policy=EVICT)
-    check_routes(bad)
+def scatter_programs(t: int, n: int, fill: torch.Tensor | None) -> tuple[int, int, int]:
+    """``(programs along axis 0, R, Z)`` of a scatter launch: T token programs, then, with
+    ``fill`` (``[R, 2]``), one program per padding range and Z sharing the last range (the
+    tail of up to N rows; empty ones cost a load and exit)."""
+    if fill is None:
+        return t, 0, 0
+    r, z = fill.shape[0], tail_programs(n)
+    return t + r - 1 + z, r, z

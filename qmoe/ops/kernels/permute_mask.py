@@ -1,5 +1,5 @@
 """Triton code of the mask permute that builds its map rows in the scatter launch
-(launcher: ``qmoe/ops/permute_mask.py``).
+and its launcher ``permute_mask_triton`` (the CUDA kernel of ``qmoe::permute_mask``).
 
 Glossary: T tokens, E experts, H hidden, N output rows, NS side-row columns (block scales),
 BLOCK_T tokens per block of the count pass (one row of per-expert counts), BLOCK_E =
@@ -17,11 +17,33 @@ then wait for the scan's end (``gdc_wait``) before reading the counts. The progr
 the token programs zero the rows no route writes.
 """
 
+from __future__ import annotations
+
+import torch
 import triton
 import triton.language as tl
 
-from qmoe.ops._kernels.permute import _scatter_token, _tail_share, store_routes, zero_rows
-from qmoe.ops._kernels.row_id_map import count_mask, expert_starts, mask_row, write_map_row
+from qmoe._intmath import cdiv, next_pow2
+from qmoe.ops.kernels.permute import _scatter_token, _tail_share, store_routes, zero_rows
+from qmoe.ops.kernels.row_id_map import (
+    block_counts,
+    count_mask,
+    expert_starts,
+    mask_row,
+    write_map_row,
+)
+from qmoe.ops.launch import assert_options, mask_operand, pdl_default, pdl_options, unit_stride
+from qmoe.ops.tuning import (
+    FUSED_TOKENS,
+    FUSED_WARPS,
+    FusedMaskTiling,
+    count_chunk,
+    fused_map_tiling,
+    reg_routes_flag,
+    scatter_tile,
+    small_mask,
+    tail_programs,
+)
 
 
 @triton.jit
@@ -176,3 +198,84 @@ def unwritten_range(g, mask_ptr, total_ptr, T, N, E, A, Z, stride_m, SMALL: tl.c
     else:
         lo, hi = _tail_share(tl.minimum(tl.sum(padded, axis=0), N), N, g - ranges, Z)
     return lo, hi
+
+
+# ------------------------------------------------------------------------- launchers
+
+
+def permute_mask_triton(
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    n: int,
+    align_size: int,
+    probs: torch.Tensor | None = None,
+    side: torch.Tensor | None = None,
+    tiling: FusedMaskTiling | None = None,
+    *,
+    out: torch.Tensor | None = None,
+):
+    """``(out [N, H], permuted_probs [N] or empty, side_out [N, NS] or empty, row_id_map
+    [T, 2E+1] int32)`` of ``x [T, H]`` by ``mask [T, E]`` with ``probs [T, E]`` and side
+    rows ``[T, NS]`` moved alike, each expert's group padded to ``align_size``: as
+    ``make_row_id_map`` then the scatter, bit for bit. Launches: the per-block counts and
+    their scan (as programmatic dependents on Hopper: ``launch.pdl_default``), then the
+    fused kernel; one launch for masks of at most ``SMALL_MAP_BYTES``. ``tiling``
+    overrides the defaults (``FusedMaskTiling``); ``out`` (tests: poisoned) receives the
+    rows. No host sync."""
+    o = tiling or FusedMaskTiling()
+    t, h = x.shape
+    e = mask.shape[1]
+    out, pp, so, rid = outputs = fused_outputs(x, mask, n, probs, side, out)
+    if t == 0 or e == 0:
+        return no_routes(outputs)
+    ns = so.shape[1] if side is not None else 0
+    m = mask_operand(mask)
+    x, probs, side = unit_stride(x), unit_stride(probs), unit_stride(side)
+    be = next_pow2(e)
+    d = fused_map_tiling(t, e)
+    bt, map_warps = o.block_t or d.block_t, o.map_warps or d.num_warps
+    bh, _, kb = scatter_tile(h, x.element_size(), False)
+    bh = o.block_h or bh
+    nw = o.num_warps or FUSED_WARPS
+    small = o.one_launch if o.one_launch is not None else small_mask(m)
+    pdl = not small and (pdl_default(x) if o.pdl is None else o.pdl)
+    before, total = (None, None) if small else block_counts(m, bt, map_warps, pdl)
+    ranges = e if align_size > 1 else 0
+    z = tail_programs(n)
+    has_p, has_s = probs is not None, side is not None
+    tokens = o.tokens or FUSED_TOKENS
+    if not small and bt % tokens:
+        raise ValueError(f"tokens per program ({tokens}) must divide the count block ({bt})")
+    permute_mask_kernel[(cdiv(t, tokens) + ranges + z, cdiv(max(h, 1), bh))](
+        x, out, m, before, total, rid, probs, pp if has_p else None, side,
+        so if has_s else None, t, n, h, e, ns, max(align_size, 1), z, x.stride(0),
+        m.stride(0), probs.stride(0) if has_p else None, side.stride(0) if has_s else None,
+        HAS_P=has_p, HAS_SIDE=has_s, SMALL=small, BLOCK_T=bt, BLOCK_E=be,
+        CHUNK_T=count_chunk(t, be, nw), KB=kb, BLOCK_H=bh,
+        BLOCK_S=next_pow2(max(ns, 1)), TOKENS=tokens,
+        REG_ROUTES=reg_routes_flag(be, o.reg_routes), PDL=pdl, num_warps=nw,
+        **pdl_options(pdl), **assert_options(),  # assert_probs_not_nan
+    )
+    return out, pp, so, rid
+
+
+def fused_outputs(x, routing_map, n, probs, side, out=None):
+    """``(out [N, H] (the given ``out``, else new), permuted probs [N] or empty, side rows
+    [N, NS] or empty, row_id_map [T, 2S+1] int32)``, unwritten, for a fused permute
+    launcher of ``x [T, H]`` by ``routing_map [T, S]``."""
+    t, s = routing_map.shape
+    rid = routing_map.new_empty((t, 2 * s + 1), dtype=torch.int32)
+    out = x.new_empty((n, x.shape[1])) if out is None else out
+    pp = probs.new_empty((n,)) if probs is not None else x.new_empty(0)
+    so = side.new_empty((n, side.shape[1])) if side is not None else x.new_empty(0)
+    return out, pp, so, rid
+
+
+def no_routes(outputs):
+    """``fused_outputs`` filled for a call without routes (no tokens or no slots): every
+    row zero, every map row empty."""
+    out, pp, so, rid = outputs
+    for buf in (out, pp, so):
+        buf.zero_()
+    rid.fill_(-1)[:, -1] = 0
+    return outputs

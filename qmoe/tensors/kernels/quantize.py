@@ -1,4 +1,5 @@
-"""Triton code for row-block FP8 quantization (launcher in ``qmoe/tensors/quantize.py``).
+"""Triton code for row-block FP8 quantization and its launcher ``quantize_rows_triton``
+(the CUDA kernel of ``qmoe::quantize_blocks`` and ``qmoe::quantize_with_scale``).
 
 Glossary: R rows (all leading dims flattened), H hidden (last dim), BS the scale block
 along H (32 for MX, 128 for DeepSeek blockwise), NB = ceil(H / BS) blocks per row.
@@ -9,15 +10,24 @@ plus one scale per block. fp8 is written through ``uint8`` views so the same cod
 under ``TRITON_INTERPRET=1`` on CPU tensors.
 """
 
+from __future__ import annotations
+
+import torch
 import triton
 import triton.language as tl
 
-# SCALE_MODE values (constexpr), defined in qmoe/tensors/layouts.py, which the launchers
-# pass; the kernels below compare against their numbers, each named in a comment:
-# SCALE_AMAX = 0: scale = max(amax, EPS) / FP8_MAX, fp32; SCALE_POW2 = 1: the same, rounded
-# up to a power of two, fp32; SCALE_MX_FLOOR = 2: OCP MX v1.0, e8m0 byte; SCALE_GIVEN = 3:
-# per-tensor, one fp32 scale read from s_ptr, nothing written; SCALE_MX_RCEIL = 4:
-# TransformerEngine's, amax / FP8_MAX rounded up to a power of two, e8m0 byte.
+from qmoe._intmath import cdiv
+from qmoe.tensors import layouts
+from qmoe.tensors.layouts import EPS, SCALE_MODES, emax_elem, fp8_fields, scale_dtype
+from qmoe.tensors.recipes import fp8_max
+from qmoe.tensors.tuning import quantize_rows_tile
+
+# The SCALE_MODE values the kernels compare against (layouts.py says what each means), as
+# compile-time constants.
+SCALE_POW2 = tl.constexpr(layouts.SCALE_POW2)
+SCALE_MX_FLOOR = tl.constexpr(layouts.SCALE_MX_FLOOR)
+SCALE_GIVEN = tl.constexpr(layouts.SCALE_GIVEN)
+SCALE_MX_RCEIL = tl.constexpr(layouts.SCALE_MX_RCEIL)
 
 
 @triton.jit
@@ -88,7 +98,7 @@ def quantize_tile(
     the given scale, which callers do not store). Shared by the quantize and the fused
     quantize-permute kernels, so both give the same bits."""
     x = to_fp32(x, HW_CAST)
-    if SCALE_MODE == 3:  # SCALE_GIVEN
+    if SCALE_MODE == SCALE_GIVEN:
         scale = tl.load(s_ptr)
         y = tl.math.div_rn(x, scale)
         stored = tl.zeros((x.shape[0], x.shape[1]), dtype=tl.float32) + scale
@@ -98,7 +108,7 @@ def quantize_tile(
         has_nan = tl.max((x != x).to(tl.int32), axis=2) > 0
         nan = tl.full(amax.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
         amax = tl.where(has_nan, nan, amax)
-        if SCALE_MODE == 2:  # SCALE_MX_FLOOR
+        if SCALE_MODE == SCALE_MX_FLOOR:
             # OCP MX: the block's largest power of two over the element format's.
             exp = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
             # a nonzero block stops at byte 1, the divisor 2**-126 used below (byte 0,
@@ -109,7 +119,7 @@ def quantize_tile(
             stored = biased.to(tl.uint8)
             scale = (biased << 23).to(tl.float32, bitcast=True)
             scale = tl.maximum(scale, 1.1754943508222875e-38)  # 2**-126, as torchao does
-        elif SCALE_MODE == 4:  # SCALE_MX_RCEIL
+        elif SCALE_MODE == SCALE_MX_RCEIL:
             # TE's float_to_e8m0 of amax / FP8_MAX: the power of two at or above it (a
             # subnormal quotient up to 2**-127, byte 0, or 2**-126), 254 for inf
             db = tl.math.div_rn(amax, FP8_MAX).to(tl.int32, bitcast=True)
@@ -124,7 +134,7 @@ def quantize_tile(
             scale = tl.where(has_nan, nan, scale)
         else:
             scale = tl.math.div_rn(tl.where(amax < EPS, EPS, amax), FP8_MAX)
-            if SCALE_MODE == 1:  # SCALE_POW2
+            if SCALE_MODE == SCALE_POW2:
                 sb = scale.to(tl.int32, bitcast=True)
                 sb = (sb + 0x7FFFFF) & 0x7F800000
                 scale = sb.to(tl.float32, bitcast=True)
@@ -166,7 +176,7 @@ def quantize_rows_kernel(
     x = tl.load(x_ptr + rows64[:, None, None] * stride_xr + cols[None, :, :], mask=mask, other=0.0)
     q, stored = quantize_tile(x, s_ptr, FP8_MAX, EMAX_ELEM, EPS, SCALE_MODE,
                               MB, BIAS, HW_CAST)
-    if SCALE_MODE != 3:
+    if SCALE_MODE != SCALE_GIVEN:
         smask = rmask[:, None] & (blocks < NB)[None, :]
         tl.store(s_ptr + rows64[:, None] * NB + blocks[None, :], stored, mask=smask)
     tl.store(q_ptr + rows64[:, None, None] * H + cols[None, :, :], q, mask=mask)
@@ -203,3 +213,71 @@ def fp8_bits_to_fp32(b, MB: tl.constexpr, BIAS: tl.constexpr, HW_CAST: tl.conste
             inf = ((sign << 31) | 0x7F800000).to(tl.float32, bitcast=True)
             v = tl.where(e == EMAX, tl.where(m == 0, inf, nan), v)
         return v
+
+
+# -------------------------------------------------------------------------- launcher
+
+
+def quantize_rows_triton(
+    x: torch.Tensor,
+    block_size: int,
+    fp8_dtype: torch.dtype,
+    scale_mode: str,
+    scale: torch.Tensor | None = None,
+    *,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    tiling: tuple[int, int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``x`` ``[..., H]`` in one launch (CUDA, or CPU under TRITON_INTERPRET=1).
+
+    ``scale_mode`` is ``"amax"``, ``"pow2"``, ``"mx_floor"``, ``"mx_rceil"`` or ``"given"``
+    (per-tensor, ``scale`` a ``[]`` fp32 tensor; ``block_size`` is then only the tile
+    width). Returns ``(qdata, scale)``; for the MX modes the scale is e8m0 bits as ``uint8``.
+    ``out``: preallocated ``(qdata, scale)`` to write into. ``tiling``: ``(block_r, groups,
+    num_warps)`` overriding ``quantize_rows_tile`` (sweeps; results do not depend on it).
+    No host sync.
+    """
+    h = x.shape[-1]
+    nb = cdiv(h, block_size)
+    if scale_mode == "given":
+        mode = layouts.SCALE_GIVEN
+        q = torch.empty(x.shape, dtype=fp8_dtype, device=x.device) if out is None else out[0]
+        s_out = scale
+    else:
+        mode = SCALE_MODES[scale_mode]
+        sdt = scale_dtype(scale_mode)
+        if out is None:
+            q = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
+            s_out = torch.empty((*x.shape[:-1], nb), dtype=sdt, device=x.device)
+        else:
+            q, s_out = out
+    if q.numel() == 0:  # (before the reshape: [..., 0] gives no row count to infer)
+        return q, s_out
+    x2 = x.reshape(-1, h)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    r = x2.shape[0]
+    block_r, groups, num_warps = quantize_rows_tile(block_size, nb) if tiling is None else tiling
+    grid = (cdiv(r, block_r), cdiv(nb, groups))
+    mb, bias = fp8_fields(fp8_dtype)
+    quantize_rows_kernel[grid](
+        x2,
+        q.view(torch.uint8),
+        s_out,
+        r,
+        h,
+        nb,
+        x2.stride(0),
+        FP8_MAX=fp8_max(fp8_dtype),
+        EMAX_ELEM=emax_elem(fp8_dtype),
+        EPS=EPS,
+        SCALE_MODE=mode,
+        MB=mb,
+        BIAS=bias,
+        HW_CAST=x.is_cuda,
+        BS=block_size,
+        GROUPS=groups,
+        BLOCK_R=block_r,
+        num_warps=num_warps,
+    )
+    return q, s_out

@@ -1,0 +1,1 @@
+"""Triton code of qmoe.tensors and its launcher (``quantize``)."""
