@@ -478,20 +478,21 @@ def test_no_host_sync_on_cuda():
     """No call synchronizes with the GPU (``set_sync_debug_mode('error')`` raises on one),
     for every form, and the counts equal the CPU ones."""
     ids, mask = make_routing(1025, 64, 8, "random")
+    n_dev = torch.tensor(3000, device="cuda")  # (made before: a copy from the host syncs)
     calls = [
-        lambda m, i: tokens_per_expert(m, 3000),
-        lambda m, i: tokens_per_expert(m.to(torch.int8), None, align_size=16),
-        lambda m, i: tokens_per_expert(i, 3000, map_type="index", num_experts=64),
-        lambda m, i: tokens_per_expert(m, torch.tensor(3000, device=m.device), align_size=16),
-        lambda m, i: tokens_per_expert(m, torch.tensor(3000), align_size=16),  # a CPU N
-        lambda m, i: expert_offsets(tokens_per_expert(m, 5000, align_size=16)),
+        lambda m, i, n: tokens_per_expert(m, 3000),
+        lambda m, i, n: tokens_per_expert(m.to(torch.int8), None, align_size=16),
+        lambda m, i, n: tokens_per_expert(i, 3000, map_type="index", num_experts=64),
+        lambda m, i, n: tokens_per_expert(m, n, align_size=16),
+        lambda m, i, n: tokens_per_expert(m, torch.tensor(3000), align_size=16),  # a CPU N
+        lambda m, i, n: expert_offsets(tokens_per_expert(m, 5000, align_size=16)),
     ]
-    gpu = [(mask.cuda(), ids.cuda())]
+    gpu = (mask.cuda(), ids.cuda(), n_dev)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        outs = [fn(*gpu[0]) for fn in calls]
+        outs = [fn(*gpu) for fn in calls]
     finally:
         torch.cuda.set_sync_debug_mode("default")
     for fn, got in zip(calls, outs):
-        assert torch.equal(got.cpu(), fn(mask, ids))
+        assert torch.equal(got.cpu(), fn(mask, ids, n_dev.cpu()))
