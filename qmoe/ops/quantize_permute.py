@@ -112,11 +112,7 @@ def _quantize_permute_mask(x, routing_map, probs, num_out_tokens, align_size, bl
 @_quantize_permute_mask.register_cuda
 def _quantize_permute_mask_cuda(x, routing_map, probs, num_out_tokens, align_size, block_size,
                                 fp8_dtype, scale_mode, scale):
-    """The map built in the fused launch; with nothing to quantize or no routes (T, H or
-    E zero), the map then the map-reading launch."""
-    if 0 in (*x.shape, routing_map.shape[1]):
-        return _quantize_permute_mask.fn(x, routing_map, probs, num_out_tokens, align_size,
-                                         block_size, fp8_dtype, scale_mode, scale)
+    """The map built in the fused launch."""
     C.check_quantize_args("quantize_permute_mask", x, block_size, fp8_dtype, scale_mode, scale)
     return quantize_permute_mask_triton(x, routing_map, num_out_tokens, align_size, probs,
                                         block_size, fp8_dtype, scale_mode, scale)

@@ -39,9 +39,10 @@ from qmoe.ops.kernels.permute import (
     zero_unwritten_rows,
 )
 from qmoe.ops.kernels.permute_mask import map_token, next_rows, routes_at, unwritten_range
-from qmoe.ops.kernels.row_id_map import block_counts
+from qmoe.ops.kernels.row_id_map import block_counts, mask_rows_triton
 from qmoe.ops.launch import (
     assert_options,
+    fill_count,
     mask_operand,
     num_slots,
     pdl_default,
@@ -374,14 +375,20 @@ def quantize_permute_mask_triton(x, mask, n, align_size, probs, block_size, fp8_
                                  scale_mode, scale, tiling: QuantizePermuteTiling | None = None,
                                  *, poison=False):
     """``(q, scale, permuted_probs, row_id_map [T, 2E+1] int32)`` of ``x [T, H]`` by
-    ``mask [T, E]`` (T, H, E >= 1) with the map built in the fused launch: as
-    ``make_row_id_map`` then ``quantize_permute_triton``, bit for bit. ``tiling``: as
+    ``mask [T, E]`` with the map built in the fused launch: as
+    ``make_row_id_map`` then ``quantize_permute_triton``, bit for bit (which is what it
+    runs when T, H or E is zero: nothing to quantize, or no routes). ``tiling``: as
     ``FusedMaskTiling`` for the map's launches; ``tile`` defaults to ``MASK_QUANT_TILE`` at
     every H (a token's map work is done once a program, so splitting a row over programs
     repeats it), ``steps`` to ``MASK_QUANT_STEPS``. No host sync."""
     o = tiling or QuantizePermuteTiling()
     t, h = x.shape
     e = mask.shape[1]
+    if 0 in (t, h, e):
+        fill = mask.new_empty((fill_count(mask, False, align_size), 2), dtype=torch.int32)
+        rid = mask_rows_triton(mask, n, align_size, fill)
+        return (*quantize_permute_triton(x, rid, probs, n, block_size, fp8_dtype, scale_mode,
+                                         scale, fill, poison=poison), rid)
     q, s_out, pp, bs, nb = _outputs(x, n, block_size, fp8_dtype, scale_mode, scale, probs,
                                     poison)
     rid = mask.new_empty((t, 2 * e + 1), dtype=torch.int32)

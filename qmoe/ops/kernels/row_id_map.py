@@ -398,7 +398,8 @@ def mask_rows_triton(
         return rid
     o = tiling or MaskMapTiling()
     d = map_tiling(t, e)
-    bt, nw, pf = o.block_t or d.block_t, o.num_warps or d.num_warps, o.prefetch or d.prefetch
+    bt, nw, pf = (d_ if v is None else v for v, d_ in
+                  ((o.block_t, d.block_t), (o.num_warps, d.num_warps), (o.prefetch, d.prefetch)))
     if bt < 1 or pf < 1 or nw < 1 or nw & (nw - 1):
         raise ValueError(f"map tiling {tiling}: block_t and prefetch must be >= 1 and "
                          "num_warps a power of two")
