@@ -3,12 +3,14 @@
 from qmoe._backends import backends, load_cpp_kernels
 from qmoe.interop import from_torchao, to_torchao
 from qmoe.ops import (
+    expert_offsets,
     moe_permute,
     moe_permute_and_pad_with_probs,
     moe_permute_with_probs,
     moe_sort_chunks_by_index,
     moe_sort_chunks_by_index_with_probs,
     moe_unpermute,
+    tokens_per_expert,
 )
 from qmoe.tensors import (
     MXFP8,
@@ -33,6 +35,8 @@ load_cpp_kernels()  # dlopen of the prebuilt CPU kernels, when present; never co
 __version__ = "0.1.0"
 
 __all__ = [
+    "tokens_per_expert",
+    "expert_offsets",
     "backends",
     "from_torchao",
     "to_torchao",
