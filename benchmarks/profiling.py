@@ -218,7 +218,8 @@ def _empty_ints20_nospec(a0, n0, n1, n2, n3, n4, n5, n6, n7, n8, n9, n10, n11, n
     pass
 
 
-def launches(fn) -> int:
+def launches(fn) -> list[str]:
+    """The names of the device kernels (and memsets/copies) one call of ``fn`` runs."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -226,7 +227,9 @@ def launches(fn) -> int:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return sum(1 for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA)
+    evs = [ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
+    evs.sort(key=lambda ev: ev.time_range.start)
+    return [ev.name[:80] for ev in evs]
 
 
 
@@ -234,6 +237,8 @@ def small_args(p) -> None:
     p.add_argument("--config", default="small")
     p.add_argument("--calls", type=int, default=300)
     p.add_argument("--cprofile", type=int, default=25, help="top functions printed")
+    p.add_argument("--cprofile-cases", default="moe_permute(mask)",
+                   help="case names to run under cProfile, separated by ;")
     p.add_argument("--out", default=None)
 
 
@@ -262,6 +267,13 @@ def small_main(a) -> None:
     y = torch.randn(n, h, dtype=torch.bfloat16, device=dev)
     _, rid = qmoe.moe_permute(x, mask, n)
     q = qmoe.quantize(x, qmoe.Blockwise())
+    xg = x.clone().requires_grad_(True)
+    pg = probs.clone().requires_grad_(True)
+
+    def step():  # one MoE step's permutation: permute with probs, merge, backward of both
+        out, _, r = qmoe.moe_permute_with_probs(xg, pg, mask, num_out_tokens=n)
+        qmoe.moe_unpermute(out, r, pg).float().sum().backward()
+
     ints = [0] * 8
     cases = {
         "triton empty kernel, 1 arg": lambda: _empty1[(1,)](x),
@@ -282,28 +294,42 @@ def small_main(a) -> None:
         "moe_unpermute(merging_probs)": lambda: qmoe.moe_unpermute(y, rid, probs),
         "moe_unpermute(no probs)": lambda: qmoe.moe_unpermute(y, rid),
         "fp8 blockwise moe_permute(mask)": lambda: qmoe.moe_permute(q, mask, n),
+        "quantize(Blockwise)": lambda: qmoe.quantize(x, qmoe.Blockwise()),
+        "moe_permute(mask, quantize=Blockwise)": lambda: qmoe.moe_permute(
+            x, mask, n, quantize=qmoe.Blockwise()),
+        "moe_sort_chunks_by_index": lambda: qmoe.moe_sort_chunks_by_index(
+            y, torch.full((32,), n // 32, device=dev, dtype=torch.int64),
+            torch.arange(32, device=dev).flip(0)),
+        "step: permute_with_probs + unpermute + backward": step,
     }
     rows = []
     for name, fn in cases.items():
         us = host_us(fn, a.calls)
-        nl = launches(fn)
-        g = graph_median_ms(fn, rep=50) if "empty" not in name[-12:] else None
-        rows.append({"case": name, "host_us": round(us, 1), "launches": nl,
-                     "graph_us": None if g is None else round(g * 1e3, 1)})
-        print(f"{name:>34}: host {us:7.1f} us/call, {nl} launches, graph "
+        kernels = launches(fn)
+        try:
+            g = graph_median_ms(fn, rep=50) if "empty" not in name[-12:] else None
+        except Exception as err:  # the step's backward does not capture
+            g = None
+            print(f"{name}: no graph ({type(err).__name__})", file=sys.stderr)
+        rows.append({"case": name, "host_us": round(us, 1), "launches": len(kernels),
+                     "kernels": kernels, "graph_us": None if g is None else round(g * 1e3, 1)})
+        print(f"{name:>34}: host {us:7.1f} us/call, {len(kernels)} launches, graph "
               f"{'-' if g is None else f'{g * 1e3:.1f}'} us", file=sys.stderr)
-    prof = cProfile.Profile()
-    fn = cases["moe_permute(mask)"]
-    prof.enable()
-    for _ in range(a.calls):
-        fn()
-    prof.disable()
-    torch.cuda.synchronize()
-    s = io.StringIO()
-    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(a.cprofile)
-    print(s.getvalue(), file=sys.stderr)
+    profiles = {}
+    for name in a.cprofile_cases.split(";"):
+        prof = cProfile.Profile()
+        fn = cases[name]
+        prof.enable()
+        for _ in range(a.calls):
+            fn()
+        prof.disable()
+        torch.cuda.synchronize()
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(a.cprofile)
+        print(s.getvalue(), file=sys.stderr)
+        profiles[name] = s.getvalue()
     write_json(a.out, {"bench": "profile_small", "env": env_info(), "config": a.config,
-                       "calls": a.calls, "results": rows, "cprofile": s.getvalue()})
+                       "calls": a.calls, "results": rows, "cprofile": profiles})
 
 
 # --- profile ncu -----------------------------------------------------------------------
