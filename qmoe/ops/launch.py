@@ -5,6 +5,7 @@ state; the op modules and ``qmoe.ops.kernels`` import them from here."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -54,9 +55,16 @@ def pdl_default(x: torch.Tensor) -> bool:
     >= 3.4) and a CUDA of at least 12.3 (programmatic edges in captured CUDA graphs); never
     on ROCm (which reports other capabilities through the same call) or under the
     interpreter."""
-    if not x.is_cuda or torch.version.hip is not None or torch.version.cuda is None:
+    if not x.is_cuda or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):  # per call
         return False
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):  # read per call
+    return _device_has_pdl(x.get_device())
+
+
+@functools.cache
+def _device_has_pdl(index: int) -> bool:
+    """``pdl_default``'s answer for CUDA device ``index`` (fixed for the process: the
+    device, torch's CUDA and Triton do not change)."""
+    if torch.version.hip is not None or torch.version.cuda is None:
         return False
     if tuple(int(v) for v in torch.version.cuda.split(".")[:2]) < (12, 3):
         return False
@@ -64,7 +72,7 @@ def pdl_default(x: torch.Tensor) -> bool:
 
     cuda = getattr(tl.extra, "cuda", None)
     return (hasattr(cuda, "gdc_wait") and hasattr(cuda, "gdc_launch_dependents")
-            and torch.cuda.get_device_capability(x.device)[0] >= 9)
+            and torch.cuda.get_device_capability(index)[0] >= 9)
 
 
 def pdl_options(pdl: bool) -> dict[str, bool]:

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from qmoe._intmath import cdiv, next_pow2
+from qmoe._triton import launch
 from qmoe.ops.launch import assert_options, num_slots, unit_stride
 from qmoe.ops.tuning import scatter_tile, tail_programs, zero_rows_tile
 
@@ -291,7 +292,7 @@ def permute_rows_triton(
     progs, r, z = scatter_programs(t, n, fill)
     if progs:
         has_w = weights is not None
-        permute_scatter_kernel[(progs, cdiv(max(h, 1), bh))](
+        launch(permute_scatter_kernel, (progs, cdiv(max(h, 1), bh)),
             x, out, rid, weights, written, fill, probs, probs_out if has_p else None, side,
             side_out if has_s else None, t, n, h,
             num_slots(rid), ns, r, z, x.stride(0), weights.stride(0) if has_w else None,
@@ -317,7 +318,7 @@ def zero_unwritten_rows(
     n, h = out.shape
     ns = side_out.shape[1] if side_out is not None else 0
     br, bh, nw = zero_rows_tile(h)
-    zero_rows_kernel[(cdiv(n, br),)](
+    launch(zero_rows_kernel, (cdiv(n, br),),
         out, written, probs_out, side_out, n, h, ns, HAS_P=probs_out is not None,
         HAS_SIDE=side_out is not None, BLOCK_R=br, BLOCK_H=bh,
         BLOCK_S=next_pow2(max(ns, 1)), num_warps=nw,

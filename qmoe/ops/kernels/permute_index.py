@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from qmoe._intmath import cdiv, next_pow2
+from qmoe._triton import launch
 from qmoe.ops.kernels.permute import store_routes, zero_rows
 from qmoe.ops.kernels.permute_mask import fused_outputs, no_routes, routes_at, unwritten_range
 from qmoe.ops.kernels.row_id_map import index_block_counts, index_row, write_map_row
@@ -167,7 +168,7 @@ def permute_index_triton(
     bh, _, kb = scatter_tile(h, x.element_size(), False)
     z = tail_programs(n)
     has_p, has_s = probs is not None, side is not None
-    permute_index_kernel[(t + z, cdiv(max(h, 1), bh))](
+    launch(permute_index_kernel, (t + z, cdiv(max(h, 1), bh)),
         x, out, ids, before, total, rid, probs, pp if has_p else None, side,
         so if has_s else None, t, n, h, k, e, ns, z, x.stride(0), ids.stride(0),
         probs.stride(0) if has_p else None, side.stride(0) if has_s else None,

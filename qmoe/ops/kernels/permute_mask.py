@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from qmoe._intmath import cdiv, next_pow2
+from qmoe._triton import launch
 from qmoe.ops.kernels.permute import _scatter_token, _tail_share, store_routes, zero_rows
 from qmoe.ops.kernels.row_id_map import (
     block_counts,
@@ -246,7 +247,7 @@ def permute_mask_triton(
     tokens = o.tokens or FUSED_TOKENS
     if not small and bt % tokens:
         raise ValueError(f"tokens per program ({tokens}) must divide the count block ({bt})")
-    permute_mask_kernel[(cdiv(t, tokens) + ranges + z, cdiv(max(h, 1), bh))](
+    launch(permute_mask_kernel, (cdiv(t, tokens) + ranges + z, cdiv(max(h, 1), bh)),
         x, out, m, before, total, rid, probs, pp if has_p else None, side,
         so if has_s else None, t, n, h, e, ns, max(align_size, 1), z, x.stride(0),
         m.stride(0), probs.stride(0) if has_p else None, side.stride(0) if has_s else None,

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from qmoe._intmath import cdiv, next_pow2
+from qmoe._triton import launch
 from qmoe.ops.kernels.permute import (
     assert_probs_not_nan,
     permute_rows_triton,
@@ -359,7 +360,7 @@ def quantize_permute_triton(x, rid, probs, n, block_size, fp8_dtype, scale_mode,
     consts = _consts(x, fp8_dtype, scale_mode, bs, nb, o.tile, o.steps)
     progs, r, z = scatter_programs(t, n, fill)
     if progs:
-        quantize_permute_kernel[(progs, _column_programs(nb, consts))](
+        launch(quantize_permute_kernel, (progs, _column_programs(nb, consts)),
             x, q, s_out, rid, probs if has_p else x, pp if has_p else written, written,
             fill if has_f else written, t, n, h, nb, num_slots(rid), r, z, x.stride(0),
             probs.stride(0) if has_p else 0, HAS_P=has_p, HAS_FILL=has_f,
@@ -406,7 +407,7 @@ def quantize_permute_mask_triton(x, mask, n, align_size, probs, block_size, fp8_
     nw = o.num_warps or QUANT_PERMUTE_WARPS
     steps = MASK_QUANT_STEPS if o.steps is None else o.steps
     consts = _consts(x, fp8_dtype, scale_mode, bs, nb, o.tile or MASK_QUANT_TILE, steps)
-    quantize_permute_mask_kernel[(t + ranges + z, _column_programs(nb, consts))](
+    launch(quantize_permute_mask_kernel, (t + ranges + z, _column_programs(nb, consts)),
         x, q, s_out, m, before, total, rid, probs, pp if has_p else None, t, n, h, nb, e,
         max(align_size, 1), z, x.stride(0), m.stride(0), probs.stride(0) if has_p else None,
         HAS_P=has_p, SMALL=small, BLOCK_T=bt, BLOCK_E=be,

@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from qmoe._intmath import cdiv, next_pow2
+from qmoe._triton import launch
 from qmoe.ops.launch import mask_operand, pdl_options, unit_stride
 from qmoe.ops.tuning import (
     MaskMapTiling,
@@ -344,7 +345,7 @@ def block_counts(m: torch.Tensor, block_t: int, num_warps: int, pdl: bool = Fals
     nblk = cdiv(t, block_t)
     before = m.new_empty((nblk, e), dtype=torch.int32)
     total = m.new_empty((e,), dtype=torch.int32)
-    mask_block_counts_kernel[(nblk,)](m, before, t, e, m.stride(0), BLOCK_T=block_t,
+    launch(mask_block_counts_kernel, (nblk,), m, before, t, e, m.stride(0), BLOCK_T=block_t,
                                       BLOCK_E=next_pow2(e), PDL=pdl, num_warps=num_warps)
     _scan_block_counts(before, total, pdl)
     return before, total
@@ -358,7 +359,7 @@ def index_block_counts(ids: torch.Tensor, e: int, block_t: int, num_warps: int,
     nblk = cdiv(t, block_t)
     before = ids.new_empty((nblk, e), dtype=torch.int32)
     total = ids.new_empty((e,), dtype=torch.int32)
-    index_block_counts_kernel[(nblk,)](ids, before, t, k, e, ids.stride(0), BLOCK_T=block_t,
+    launch(index_block_counts_kernel, (nblk,), ids, before, t, k, e, ids.stride(0), BLOCK_T=block_t,
                                        BLOCK_K=next_pow2(k), BLOCK_E=next_pow2(e), PDL=pdl,
                                        num_warps=num_warps)
     _scan_block_counts(before, total, pdl)
@@ -370,7 +371,7 @@ def _scan_block_counts(before: torch.Tensor, total: torch.Tensor, pdl: bool) -> 
     earlier blocks, ``total [E]`` the sums."""
     nblk, e = before.shape
     cols, chunk = scan_tile(nblk, e)
-    block_scan_kernel[(cdiv(e, cols),)](before, total, nblk, e, CHUNK_B=chunk, COLS=cols,
+    launch(block_scan_kernel, (cdiv(e, cols),), before, total, nblk, e, CHUNK_B=chunk, COLS=cols,
                                         PDL=pdl, **pdl_options(pdl))
 
 
@@ -410,13 +411,13 @@ def mask_rows_triton(
     a = max(align_size, 1)
     if o.one_launch if o.one_launch is not None else small_mask(m):
         chunk, small_warps = small_map_walk(t, be, nw)
-        mask_row_id_map_small_kernel[(nblk,)](
+        launch(mask_row_id_map_small_kernel, (nblk,),
             m, rid, fill, t, e, num_out_tokens, a, m.stride(0), BLOCK_T=bt, BLOCK_E=be,
             CHUNK_T=chunk, PREFETCH=min(pf, bt), num_warps=small_warps,
         )
         return rid
     counts, total = block_counts(m, bt, nw, o.pdl)
-    mask_row_id_map_kernel[(nblk,)](
+    launch(mask_row_id_map_kernel, (nblk,),
         m, counts, total, rid, fill, t, e, num_out_tokens, a, m.stride(0),
         BLOCK_T=bt, BLOCK_E=be, PREFETCH=min(pf, bt), PDL=o.pdl, num_warps=nw,
         **pdl_options(o.pdl),
@@ -432,7 +433,7 @@ def index_rows_triton(routing_map: torch.Tensor, num_out_tokens: int):
     rid = ids.new_empty((t, 2 * k + 1), dtype=torch.int32)
     fill = rid.new_empty((1, 2))
     chunk, nw = small_index_tile(t, k)
-    index_row_id_map_small_kernel[(t,)](
+    launch(index_row_id_map_small_kernel, (t,),
         ids, rid, fill, t, k, num_out_tokens, ids.stride(0), BLOCK_K=next_pow2(k),
         CHUNK=chunk, num_warps=nw,
     )

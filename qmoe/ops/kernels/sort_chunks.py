@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from qmoe._intmath import cdiv, next_pow2
+from qmoe._triton import launch
 from qmoe.ops.kernels.permute import assert_probs_not_nan
 from qmoe.ops.launch import assert_options, unit_stride
 from qmoe.ops.tuning import (
@@ -256,7 +257,7 @@ def sort_chunks_triton(
         side, side_out = _int32_views(side, side_out) or (side, side_out)
     ns = side.shape[1] if has_s else 0
     side_wide = bh <= SIDE_WIDE_MAX_COLS if o.side_wide is None else o.side_wide
-    sort_chunks_kernel[(max(1, cdiv(t, br * steps)), cdiv(max(hw, 1), bh))](
+    launch(sort_chunks_kernel, (max(1, cdiv(t, br * steps)), cdiv(max(hw, 1), bh)),
         src, dst, split_sizes, sorted_index, probs, pp if probs is not None else None, side,
         side_out if has_s else None, t, hw, c, ns, src.stride(0),
         side.stride(0) if has_s else None, INVERSE=inverse, CHECK=check,
@@ -294,7 +295,7 @@ def gather_rows_triton(
         return out
     x, src = unit_stride(x), src.contiguous()
     br, bh, nw = gather_tile(h, x.element_size())
-    gather_rows_kernel[(cdiv(r, br), cdiv(h, bh))](
+    launch(gather_rows_kernel, (cdiv(r, br), cdiv(h, bh)),
         x, out, src, r, h, x.stride(0), BLOCK_R=br, BLOCK_H=bh, num_warps=nw
     )
     return out

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from qmoe._intmath import cdiv, next_pow2
+from qmoe._triton import launch
 from qmoe.ops.kernels.permute import zero_unwritten_rows
 from qmoe.ops.launch import assert_options, num_slots, unit_stride
 from qmoe.ops.tuning import MergeBackwardTiling, fp8_merge_tile, merge_backward_tile, merge_tile
@@ -314,7 +315,7 @@ def unpermute_rows_triton(
     if num_slots(rid) == 0:
         return out.zero_()  # no routes: nothing to read
     w, p = _weights_arg(weights, x)
-    unpermute_gather_kernel[(t, cdiv(h, bh))](
+    launch(unpermute_gather_kernel, (t, cdiv(h, bh)),
         x, out, rid, w, h, num_slots(rid), x.shape[0], w.stride(0), p,
         HAS_W=weights is not None, BLOCK_H=bh, EVICT=evict, PAIRS=pairs, num_warps=nw,
         **assert_options(),  # check_routes
@@ -348,7 +349,7 @@ def unpermute_fp8_triton(
     # the kernel reads scale row 0 of a bad route
     if layout != layouts.FP8_PER_TENSOR and qbits.shape[0] == 0:
         scale = scale.new_zeros((1, scale.shape[-1]))
-    unpermute_fp8_kernel[(t, cdiv(h, bh))](
+    launch(unpermute_fp8_kernel, (t, cdiv(h, bh)),
         qbits.contiguous(), scale, out, rid, w, h, num_slots(rid),
         qbits.shape[0], scale.shape[-1] if scale.dim() else 1, w.stride(0), p,
         LAYOUT=layout, BS=max(block_size, 1), MB=mb, BIAS=bias,
@@ -383,7 +384,7 @@ def merge_backward_triton(
     o = tiling or MergeBackwardTiling()
     kb, bh, nw = merge_backward_tile(h, p)
     written = torch.zeros(n, dtype=torch.int8, device=grad_out.device)
-    merge_backward_kernel[(t,)](
+    launch(merge_backward_kernel, (t,),
         grad_out.contiguous(), fwd_inp.contiguous(), row_id_map, merging_probs, gi, written,
         gw, n, h, num_slots(row_id_map), p, merging_probs.stride(0), KB=o.kb or kb,
         BLOCK_H=o.block_h or bh, BLOCK_P=next_pow2(p), num_warps=o.num_warps or nw,

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from qmoe._intmath import cdiv
+from qmoe._triton import launch
 from qmoe.tensors import layouts
 from qmoe.tensors.layouts import EPS, SCALE_MODES, emax_elem, fp8_fields, scale_dtype
 from qmoe.tensors.recipes import fp8_max
@@ -260,7 +261,7 @@ def quantize_rows_triton(
     block_r, groups, num_warps = quantize_rows_tile(block_size, nb) if tiling is None else tiling
     grid = (cdiv(r, block_r), cdiv(nb, groups))
     mb, bias = fp8_fields(fp8_dtype)
-    quantize_rows_kernel[grid](
+    launch(quantize_rows_kernel, grid,
         x2,
         q.view(torch.uint8),
         s_out,

@@ -1,0 +1,88 @@
+"""Direct launches of compiled Triton kernels: ``launch(kernel, grid, *args, **options)``
+is ``kernel[grid](*args, **options)`` at a fraction of its host cost.
+
+Triton's ``JITFunction.run`` re-derives the compiled kernel on every call: it binds the
+arguments, reads its knobs, turns the specialization into a string key and looks it up,
+then builds launch metadata (``python -m benchmarks profile small``: an empty kernel of 24
+arguments costs tens of microseconds, most of a small eager MoE call). ``launch`` keys its
+own cache by what decides Triton's choice of compiled kernel, computed cheaply:
+
+* the kernel, the current device and the launch options (``num_warps``, the kernel's
+  compile-time constants, ``debug``, ``launch_pdl``, ...), all passed as keywords;
+* per positional argument the same facts Triton specializes on: a tensor's dtype and
+  whether its address is 16-byte aligned; an int's width and whether it equals 1 or is a
+  multiple of 16; a bool's value; for floats only their type; None as is.
+
+Equal keys mean Triton would pick the same compiled kernel, so a hit calls that kernel's
+launcher directly (``CompiledKernel.run``, as ``JITFunction.run`` does at its end); a miss
+goes through ``kernel[grid]`` (compiling if needed) and keeps the ``CompiledKernel`` it
+returns. The cache holds compiled kernels and compile-time constants only, never data:
+it is immutable per key once written, like Triton's own cache. Launch hooks (a profiler
+such as proton) and the interpreter (``TRITON_INTERPRET=1``) always take Triton's path.
+
+Call shape: runtime arguments positionally, in the kernel's parameter order, then its
+``tl.constexpr`` parameters and the launch options as keywords.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton import knobs
+
+_CACHE: dict = {}  # key -> _Compiled, written once per key (compiled kernels, no data)
+
+
+class _Compiled:
+    """A compiled kernel's launcher and what each launch passes besides the runtime
+    arguments (``tail``: the constexpr parameters' values, in parameter order)."""
+
+    __slots__ = ("run", "function", "packed_metadata", "tail", "get_stream")
+
+    def __init__(self, kernel, tail: tuple, get_stream) -> None:
+        self.run = kernel.run
+        self.function = kernel.function
+        self.packed_metadata = kernel.packed_metadata
+        self.tail = tail
+        self.get_stream = get_stream
+
+
+def _specs(args: tuple) -> tuple:
+    """What Triton specializes each argument on, or finer (equal specs: the same compiled
+    kernel): a tensor's dtype and address modulo 16; an int's equality to 1, remainder
+    modulo 16 and width; floats by type alone (Triton does not specialize them); anything
+    else (None, bools) as is. One comprehension: this runs on every launch."""
+    return tuple([(a.dtype, a.data_ptr() & 15) if isinstance(a, torch.Tensor)
+                  else (a == 1, a & 15, -0x80000000 <= a < 0x80000000, a >= 1 << 63)
+                  if a.__class__ is int else float if a.__class__ is float else a
+                  for a in args])
+
+
+def launch(kernel, grid: tuple, *args, **options) -> None:
+    """``kernel[grid](*args, **options)`` through the compiled-kernel cache (module doc).
+    ``grid``: a tuple of 1 to 3 ints; ``args``: the kernel's runtime parameters in order;
+    ``options``: its constexpr parameters and launch options, as keywords."""
+    if (not isinstance(kernel, triton.runtime.JITFunction)
+            or knobs.runtime.launch_enter_hook is not None
+            or knobs.runtime.launch_exit_hook is not None):
+        kernel[grid](*args, **options)
+        return
+    device = torch.cuda.current_device()
+    key = (kernel, device, tuple(options.items()), _specs(args))
+    c = _CACHE.get(key)
+    if c is None:
+        if any(p.is_constexpr for p in kernel.params[:len(args)]):
+            raise TypeError(f"qmoe launch of {kernel.fn.__name__}: pass tl.constexpr "
+                            "parameters as keywords (the cache keys them by value)")
+        compiled = kernel[grid](*args, **options)
+        names = kernel.arg_names[len(args):]
+        defaults = {p.name: p.default for p in kernel.params}
+        tail = tuple(options[n] if n in options else defaults[n] for n in names)
+        from triton.runtime.driver import driver
+
+        _CACHE[key] = _Compiled(compiled, tail, driver.active.get_current_stream)
+        return
+    g1 = grid[1] if len(grid) > 1 else 1
+    g2 = grid[2] if len(grid) > 2 else 1
+    c.run(grid[0], g1, g2, c.get_stream(device), c.function, c.packed_metadata, None, None,
+          None, *args, *c.tail)
