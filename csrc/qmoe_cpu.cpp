@@ -303,6 +303,23 @@ float weight_at(const Tensor& w, int64_t t, int64_t c) {
   });
 }
 
+// d = bf16(float(src) * w) over a row: widen (exact), multiply, round to nearest even
+// (NaN -> 0x7FC0), c10::BFloat16's conversions written as an integer loop that vectorizes.
+__attribute__((target_clones("avx2", "default"))) void scale_bf16_row(
+    const uint16_t* src, float w, uint16_t* d, int64_t h) {
+  for (int64_t j = 0; j < h; ++j) {
+    const uint32_t in = static_cast<uint32_t>(src[j]) << 16;
+    float f;
+    std::memcpy(&f, &in, 4);
+    const float p = f * w;
+    uint32_t u;
+    std::memcpy(&u, &p, 4);
+    const bool nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
+    d[j] = nan ? static_cast<uint16_t>(0x7FC0)
+               : static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  }
+}
+
 // out[N, H]: token rows (times weight if given) at their rows, other rows zero.
 Tensor permute_rows(const Tensor& inp, const Tensor& rid, int64_t n,
                     const c10::optional<Tensor>& weights) {
@@ -337,7 +354,13 @@ Tensor permute_rows(const Tensor& inp, const Tensor& rid, int64_t n,
           TORCH_CHECK_VALUE(dst[s] >= 0 && dst[s] < n, "qmoe::permute: row_id_map row out of range");
           const float wv = weight_at(w, t, col[s]);
           scalar_t* d = reinterpret_cast<scalar_t*>(o + dst[s] * rb);
-          for (int64_t j = 0; j < h; ++j) d[j] = static_cast<scalar_t>(static_cast<float>(src[j]) * wv);
+          if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+            scale_bf16_row(reinterpret_cast<const uint16_t*>(src), wv,
+                           reinterpret_cast<uint16_t*>(d), h);
+          } else {
+            for (int64_t j = 0; j < h; ++j)
+              d[j] = static_cast<scalar_t>(static_cast<float>(src[j]) * wv);
+          }
           written[dst[s]] = 1;
         }
       });
@@ -481,6 +504,49 @@ void check_weights(const char* op, const c10::optional<Tensor>& w, int64_t t, in
              "merging_probs must be [T, ", s, "] = [", t, ", ", s, "], got ", w->sizes());
 }
 
+// The first thing wrong with a row_id_map as a merge reads it (qmoe::map_check; the codes
+// and their messages are in qmoe/ops/unpermute.py): 0 nothing, 1 a route count outside
+// [0, S], 2 a kept route's row outside [0, N), 3 a row named by two kept routes, 4 a kept
+// route's probs column outside [0, P), 5 a NaN weight at a kept route. One pass per check,
+// in that order, as the torch kernel reports them.
+Tensor map_check(const Tensor& rid_in, int64_t n, const c10::optional<Tensor>& w) {
+  const Tensor rid = rid_in.contiguous();
+  QMOE_CHECK(rid.scalar_type() == at::kInt && rid.dim() == 2 && rid.size(1) % 2 == 1,
+             "map_check", "row_id_map must be int32 [T, 2*S + 1], got ", rid.scalar_type(),
+             " ", rid.sizes());
+  const int64_t t = rid.size(0), s = slots_of(rid), width = 2 * s + 1;
+  const int32_t* m = rid.data_ptr<int32_t>();
+  auto code = [&]() -> int32_t {
+    if (s == 0) return 0;
+    for (int64_t i = 0; i < t; ++i) {
+      const int32_t c = m[i * width + 2 * s];
+      if (c < 0 || c > s) return 1;
+    }
+    for (int64_t i = 0; i < t; ++i)
+      for (int32_t j = 0; j < m[i * width + 2 * s]; ++j)
+        if (m[i * width + j] < 0 || m[i * width + j] >= n) return 2;
+    std::vector<uint8_t> seen(static_cast<size_t>(n), 0);
+    for (int64_t i = 0; i < t; ++i)
+      for (int32_t j = 0; j < m[i * width + 2 * s]; ++j)
+        if (seen[m[i * width + j]]++) return 3;
+    if (!w.has_value()) return 0;
+    const int64_t p = w->size(1);
+    for (int64_t i = 0; i < t; ++i)
+      for (int32_t j = 0; j < m[i * width + 2 * s]; ++j)
+        if (m[i * width + s + j] < 0 || m[i * width + s + j] >= p) return 4;
+    return AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, w->scalar_type(), "w", [&] {
+      const scalar_t* wp = w->data_ptr<scalar_t>();
+      const int64_t s0 = w->stride(0), s1 = w->stride(1);
+      for (int64_t i = 0; i < t; ++i)
+        for (int32_t j = 0; j < m[i * width + 2 * s]; ++j)
+          if (std::isnan(static_cast<float>(wp[i * s0 + m[i * width + s + j] * s1])))
+            return int32_t{5};
+      return int32_t{0};
+    });
+  }();
+  return at::scalar_tensor(code, rid.options().dtype(at::kInt));
+}
+
 Tensor unpermute(const Tensor& inp, const Tensor& rid_in, const c10::optional<Tensor>& w) {
   const char* op = "unpermute";
   const Tensor rid = rid_in.contiguous();
@@ -572,21 +638,50 @@ Tensor unpermute_fp8(const Tensor& qbits, const Tensor& scale, const Tensor& rid
   return out;
 }
 
-Tensor merge_weight_grad(const Tensor& grad, const Tensor& x, const Tensor& rid, int64_t p) {
-  auto g = grad.contiguous().to(at::kFloat);
-  auto xf = x.contiguous().to(at::kFloat);
+// An element as fp32: bf16 widened through its bits (exact; c10's conversion does not
+// vectorize), other dtypes by their conversion.
+template <typename scalar_t>
+inline float as_float(scalar_t v) {
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    const uint32_t u = static_cast<uint32_t>(v.x) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  } else {
+    return static_cast<float>(v);
+  }
+}
+
+// gw[t, col] = <grad[t], x[row]> over each kept route (row, col) of t, in fp64.
+Tensor merge_weight_grad(const Tensor& grad, const Tensor& x_in, const Tensor& rid, int64_t p) {
+  auto g = grad.contiguous();
+  auto x = x_in.scalar_type() == g.scalar_type() ? x_in.contiguous()
+                                                 : x_in.to(g.scalar_type()).contiguous();
   const int64_t t = g.size(0), h = g.size(1);
-  auto gw = at::zeros({t, p}, g.options());
+  auto gw = at::zeros({t, p}, g.options().dtype(at::kFloat));
   float* o = gw.data_ptr<float>();
-  const float* gp = g.data_ptr<float>();
-  const float* xp = xf.data_ptr<float>();
-  for_each_route(rid, [&](int64_t i, const int32_t* dst, const int32_t* col, int32_t cnt) {
-    for (int32_t s = 0; s < cnt; ++s) {
-      check_col(col[s], p, i);
-      double acc = 0.0;  // a fixed order; double keeps it close to the fp64 reference
-      for (int64_t j = 0; j < h; ++j) acc += static_cast<double>(gp[i * h + j]) * xp[dst[s] * h + j];
-      o[i * p + col[s]] = static_cast<float>(acc);
-    }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, g.scalar_type(), "gw", [&] {
+    const scalar_t* gp = g.data_ptr<scalar_t>();
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    for_each_route(rid, [&](int64_t i, const int32_t* dst, const int32_t* col, int32_t cnt) {
+      for (int32_t s = 0; s < cnt; ++s) {
+        check_col(col[s], p, i);
+        // fp64 sums keep it close to the fp64 reference; eight partial sums (column j into
+        // sum j % 8, combined in a fixed tree) break the chain of dependent adds, so the
+        // dot product vectorizes; the order is fixed, so the result is deterministic.
+        const scalar_t* a = gp + i * h;
+        const scalar_t* b = xp + static_cast<int64_t>(dst[s]) * h;
+        double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        int64_t j = 0;
+        for (; j + 8 <= h; j += 8)
+          for (int u = 0; u < 8; ++u)
+            acc[u] += static_cast<double>(as_float(a[j + u])) * as_float(b[j + u]);
+        for (; j < h; ++j) acc[j % 8] += static_cast<double>(as_float(a[j])) * as_float(b[j]);
+        const double sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) +
+                           ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+        o[i * p + col[s]] = static_cast<float>(sum);
+      }
+    });
   });
   return gw;
 }
@@ -791,6 +886,7 @@ TORCH_LIBRARY_IMPL(qmoe, CPU, m) {
   m.impl("make_row_id_map", &make_row_id_map);
   m.impl("permute", &permute);
   m.impl("unpermute", &unpermute);
+  m.impl("map_check", &map_check);
   m.impl("unpermute_backward", &unpermute_backward);
   m.impl("unpermute_fp8", &unpermute_fp8);
   m.impl("sort_chunks", &sort_chunks);

@@ -18,7 +18,8 @@ launcher directly (``CompiledKernel.run``, as ``JITFunction.run`` does at its en
 goes through ``kernel[grid]`` (compiling if needed) and keeps the ``CompiledKernel`` it
 returns. The cache holds compiled kernels and compile-time constants only, never data:
 it is immutable per key once written, like Triton's own cache. Launch hooks (a profiler
-such as proton) and the interpreter (``TRITON_INTERPRET=1``) always take Triton's path.
+such as proton) are called as Triton calls them; the interpreter (``TRITON_INTERPRET=1``)
+takes Triton's path.
 
 Call shape: runtime arguments positionally, in the kernel's parameter order, then its
 ``tl.constexpr`` parameters and the launch options as keywords.
@@ -37,9 +38,10 @@ class _Compiled:
     """A compiled kernel's launcher and what each launch passes besides the runtime
     arguments (``tail``: the constexpr parameters' values, in parameter order)."""
 
-    __slots__ = ("run", "function", "packed_metadata", "tail", "get_stream")
+    __slots__ = ("kernel", "run", "function", "packed_metadata", "tail", "get_stream")
 
     def __init__(self, kernel, tail: tuple, get_stream) -> None:
+        self.kernel = kernel
         self.run = kernel.run
         self.function = kernel.function
         self.packed_metadata = kernel.packed_metadata
@@ -58,13 +60,17 @@ def _specs(args: tuple) -> tuple:
                   for a in args])
 
 
+def _hook(h):
+    """A launch hook, or None for none (Triton's knobs hold an empty ``HookChain`` when no
+    profiler has added one: calling it would cost a Python call per launch)."""
+    return None if h is None or getattr(h, "calls", None) == [] else h
+
+
 def launch(kernel, grid: tuple, *args, **options) -> None:
     """``kernel[grid](*args, **options)`` through the compiled-kernel cache (module doc).
     ``grid``: a tuple of 1 to 3 ints; ``args``: the kernel's runtime parameters in order;
     ``options``: its constexpr parameters and launch options, as keywords."""
-    if (not isinstance(kernel, triton.runtime.JITFunction)
-            or knobs.runtime.launch_enter_hook is not None
-            or knobs.runtime.launch_exit_hook is not None):
+    if not isinstance(kernel, triton.runtime.JITFunction):  # the interpreter
         kernel[grid](*args, **options)
         return
     device = torch.cuda.current_device()
@@ -84,5 +90,9 @@ def launch(kernel, grid: tuple, *args, **options) -> None:
         return
     g1 = grid[1] if len(grid) > 1 else 1
     g2 = grid[2] if len(grid) > 2 else 1
-    c.run(grid[0], g1, g2, c.get_stream(device), c.function, c.packed_metadata, None, None,
-          None, *args, *c.tail)
+    stream = c.get_stream(device)
+    enter, leave = _hook(knobs.runtime.launch_enter_hook), _hook(knobs.runtime.launch_exit_hook)
+    # a launch hook (a profiler) gets the metadata Triton's own launch would give it
+    meta = None if enter is None else c.kernel.launch_metadata(grid, stream, *args, *c.tail)
+    c.run(grid[0], g1, g2, stream, c.function, c.packed_metadata, meta, enter, leave, *args,
+          *c.tail)

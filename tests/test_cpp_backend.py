@@ -137,6 +137,53 @@ def test_unpermute_fp8_any_block_size(bs):
         assert_same_bits(got, want)
 
 
+@pytest.mark.parametrize("probs_dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_map_check_agrees_with_torch(probs_dtype):
+    """``qmoe::map_check``: the C++ pass reports the same first fault as the torch kernel,
+    for a good map and each kind of corruption (alone and with a later one)."""
+    from qmoe.ops.unpermute import _map_check
+
+    t, e, k = 37, 6, 3
+    ids, mask = routing(t, e, k, "sentinels")
+    n = int(mask.sum())
+    rid, _ = ops.make_row_id_map(mask, n, False, 1)
+    probs = torch.rand(t, e, dtype=probs_dtype) * mask
+    probs[~mask] = float("nan")  # unread entries may hold anything
+    s = e
+    kept_t, kept_s = (torch.arange(s) < rid[:, 2 * s : 2 * s + 1]).nonzero(as_tuple=True)
+    i, j = int(kept_t[len(kept_t) // 2]), int(kept_s[len(kept_s) // 2])
+
+    def bad(kind):
+        r, p = rid.clone(), probs.clone()
+        if kind == "count":
+            r[i, 2 * s] = s + 1
+        elif kind == "row":
+            r[i, j] = n
+        elif kind == "neg_row":
+            r[i, j] = -1
+        elif kind == "twice":
+            r[i, j] = r[int(kept_t[0]), int(kept_s[0])] if i else r[int(kept_t[-1]),
+                                                                    int(kept_s[-1])]
+        elif kind == "col":
+            r[i, s + j] = e
+        elif kind == "nan":
+            p[i, int(r[i, s + j])] = float("nan")
+        return r, p
+
+    want_codes = {None: 0, "count": 1, "row": 2, "neg_row": 2, "twice": 3, "col": 4, "nan": 5}
+    for kind, want in want_codes.items():
+        r, p = bad(kind) if kind else (rid, probs)
+        for w in (p, None):
+            got = ops.map_check(r, n, w)
+            ref = _map_check.fn(r, n, w)
+            assert got.dtype == torch.int32 and got.dim() == 0
+            assert int(got) == int(ref), (kind, w is None)
+            assert int(got) == (want if (w is not None or want < 4) else 0), (kind, w is None)
+    r, p = bad("twice")
+    r[i, s + j] = e  # a later fault (a column) does not hide the first
+    assert int(ops.map_check(r, n, p)) == int(_map_check.fn(r, n, p)) == 3
+
+
 def test_sort_chunks():
     x = torch.randn(50, 33).to(torch.bfloat16)
     sizes = torch.tensor([7, 0, 20, 13])

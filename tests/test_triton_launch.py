@@ -87,3 +87,22 @@ def test_constexpr_passed_positionally_is_refused():
     out = torch.empty(8, device="cuda")
     with pytest.raises(TypeError, match="as keywords"):
         launch(_axpy_kernel, (1,), x, None, out, 8, 1, 1.0, False, False, 8)
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="the cache serves compiled kernels (CUDA)")
+def test_launch_hooks_are_called_from_the_cache():
+    from triton import knobs
+
+    x = torch.randn(40, device="cuda")
+    _run(launch, x, None, 40, 1, 1.0, False, 64)  # compiled and cached
+    seen = []
+
+    def hook(meta):
+        seen.append(meta.get()["name"])
+
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        _run(launch, x, None, 40, 1, 1.0, False, 64)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert seen == ["_axpy_kernel"]

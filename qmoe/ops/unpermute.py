@@ -230,49 +230,89 @@ def moe_unpermute(
     return torch.ops.qmoe.unpermute(inp, row_id_map, merging_probs)
 
 
+def _map_errors(s: int, p: int) -> dict[int, str]:
+    """``qmoe::map_check``'s codes and the messages they raise (S slots, P probs
+    columns)."""
+    return {
+        1: f"row_id_map counts routes outside [0, {s}] (its slots); pass the row_id_map "
+           "qmoe built",
+        2: "row_id_map points past the rows of inp; pass the permute's output (all N rows) "
+           "with the row_id_map built for it",
+        3: "row_id_map names an output row twice (the backward would keep one token's "
+           "gradient for it); pass the row_id_map qmoe built",
+        4: f"row_id_map names probs columns outside [0, {p}); pass the row_id_map qmoe "
+           "built with these merging_probs' routing",
+        5: "merging_probs holds NaN at a kept route; fix the router upstream",
+    }
+
+
 def _check_map_values(fn: str, row_id_map: torch.Tensor, n: int,
                       merging_probs: torch.Tensor | None) -> None:
-    """The map's values as the merge reads them (CPU: ``ValueError``s; under compile,
-    async asserts): each route count in ``[0, S]``, each kept route's row in ``[0, N)``
-    and named once, its probs column inside ``merging_probs``, and its weight not NaN.
-    Only kept routes are read: the other entries of ``merging_probs`` may hold anything
-    (TransformerEngine's tests give unrouted tokens 0/0 = NaN)."""
+    """The map's values as the merge reads them: each route count in ``[0, S]``, each
+    kept route's row in ``[0, N)`` and named once, its probs column inside
+    ``merging_probs``, and its weight not NaN. Only kept routes are read: the other
+    entries of ``merging_probs`` may hold anything (TransformerEngine's tests give
+    unrouted tokens 0/0 = NaN). Eager: one ``qmoe::map_check`` (a C++ pass on CPU) and a
+    ``ValueError``; under compile, async asserts in the graph."""
     s = num_slots(row_id_map)
     if s == 0:
         return
+    p = merging_probs.shape[1] if merging_probs is not None else 0
+    if not C.is_compiling():
+        code = int(_map_check(row_id_map, n, merging_probs))
+        if code:
+            raise ValueError(f"{fn}: {_map_errors(s, p)[code]}")
+        return
+    for code, cond in _map_conditions(row_id_map, n, merging_probs):
+        C.check_values(fn, cond, _map_errors(s, p)[code])
+
+
+def _map_conditions(row_id_map: torch.Tensor, n: int, merging_probs: torch.Tensor | None):
+    """``(code, 0-d bool tensor: that check passes)`` for each of ``map_check``'s checks
+    in order, computed lazily (torch ops; each assumes the ones before it held)."""
+    s = num_slots(row_id_map)
     count = row_id_map[:, 2 * s]
-    C.check_range(fn, count, 0, s + 1, f"row_id_map counts routes outside [0, {s}] (its "
-                  "slots); pass the row_id_map qmoe built")
+    if count.numel():
+        cmin, cmax = torch.aminmax(count)
+        yield 1, (cmin >= 0) & (cmax <= s)
     kept = torch.arange(s, device=row_id_map.device) < count[:, None]
     rows = row_id_map[:, :s]
-    C.check_values(fn, ~(kept & ((rows < 0) | (rows >= n))).any(),
-                   "row_id_map points past the rows of inp; pass the permute's output (all "
-                   "N rows) with the row_id_map built for it")
-    C.check_values(fn, _rows_named_once(row_id_map, n),
-                   "row_id_map names an output row twice (the backward would keep one "
-                   "token's gradient for it); pass the row_id_map qmoe built")
+    yield 2, ~(kept & ((rows < 0) | (rows >= n))).any()
+    yield 3, _rows_named_once(row_id_map, n)
     if merging_probs is None:
         return
     cols = row_id_map[:, s : 2 * s]
     p = merging_probs.shape[1]
-    C.check_values(fn, ~(kept & ((cols < 0) | (cols >= p))).any(),
-                   f"row_id_map names probs columns outside [0, {p}); pass the row_id_map "
-                   "qmoe built with these merging_probs' routing")
+    yield 4, ~(kept & ((cols < 0) | (cols >= p))).any()
     w = merging_probs.gather(1, torch.where(kept & (cols >= 0) & (cols < p), cols, 0).long())
-    C.check_values(fn, ~(kept & w.isnan()).any(),
-                   "merging_probs holds NaN at a kept route; fix the router upstream")
+    yield 5, ~(kept & w.isnan()).any()
+
+
+@define("map_check(Tensor row_id_map, SymInt num_rows, Tensor? merging_probs) -> Tensor")
+def _map_check(row_id_map: torch.Tensor, num_rows: int,
+               merging_probs: torch.Tensor | None) -> torch.Tensor:
+    """int32 0-d: the first thing wrong with ``row_id_map [T, 2S+1]`` as a merge of
+    ``num_rows`` rows (weighted by ``merging_probs [T, P]``) reads it, 0 if nothing
+    (codes: ``_map_errors``). Torch (this; any device); ``qmoe._C`` has a C++ pass for
+    CPU. The caller reads the code: a host sync."""
+    if num_slots(row_id_map) == 0:
+        return row_id_map.new_zeros(())
+    for code, cond in _map_conditions(row_id_map, num_rows, merging_probs):
+        if not bool(cond):
+            return row_id_map.new_full((), code)
+    return row_id_map.new_zeros(())
+
+
+@_map_check.register_fake
+def _(row_id_map, num_rows, merging_probs):
+    return row_id_map.new_empty(())
 
 
 def _rows_named_once(row_id_map: torch.Tensor, n: int) -> torch.Tensor:
     """0-d bool: no output row in ``[0, n)`` is named by two kept routes of the map (qmoe's
-    maps never do; a hand-made one could). One scatter-add over the slots. CPU tensors (the
-    only callers) in eager mode read the largest count first, which is free there, and
-    look at that many slots (K of a mask map's E: 30x less work at E = 256); under compile
-    all S slots, with static shapes."""
+    maps never do; a hand-made one could). One scatter-add over the slots."""
     s = num_slots(row_id_map)
     count = row_id_map[:, 2 * s :]
-    if row_id_map.device.type == "cpu" and not C.is_compiling() and count.numel():
-        s = max(0, min(s, int(count.max())))
     rows = row_id_map[:, :s]
     kept = torch.arange(s, device=rows.device) < count  # the first count slots
     idx = torch.where(kept & (rows >= 0), rows, n).long().clamp(0, n).flatten()

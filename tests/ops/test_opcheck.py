@@ -36,6 +36,8 @@ def _cases():
         yield (f"permute_mask_probs_side-{t}", ops.permute_mask.default,
                (x, mask.to(torch.int32), probs, side, n + 8, 4))
         yield f"unpermute-{t}", ops.unpermute.default, (y, rid_m, None)
+        yield f"map_check-{t}", ops.map_check.default, (rid_m, n, probs.detach())
+        yield f"map_check_bad-{t}", ops.map_check.default, (rid_m, 0, None)
         yield f"unpermute_probs-{t}", ops.unpermute.default, (y, rid_m, probs)
         # fp64 router probs (Megatron's moe_router_dtype="fp64")
         p64 = probs.detach().double().requires_grad_()
