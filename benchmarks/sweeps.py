@@ -200,8 +200,8 @@ def permute_config(name: str, copy_bw: float) -> list[dict]:
 
     def gather(bh, nw):
         unpermute_gather_kernel[(t, triton.cdiv(h, bh))](
-            y, back, rid, y, h, s, n, 0, 1, HAS_W=False, BLOCK_H=bh, EVICT="",
-            PAIRS=False, num_warps=nw)
+            y, back, rid, y, h, s, n, 0, 1, None, None, HAS_W=False, HAS_GP=False,
+            BLOCK_H=bh, BLOCK_P=1, EVICT="", PAIRS=False, num_warps=nw)
 
     # fp8 rows move as uint8 (1 byte per element): the same kernel on a [T, H] uint8 input.
     xb = x.view(torch.uint8)[:, :h].contiguous()
@@ -720,13 +720,17 @@ def gather_config(name: str, copy_bw: float, more: bool = False,
            lambda: qmoe.moe_unpermute(y, rid, merging))
     wide = ((1024, (1, 2, 4)), (2048, (2, 4, 8)), (4096, (4, 8, 16)), (8192, (8, 16)))
     small = ((256, (1,)), (512, (1, 2)), (1024, (1, 2)))
-    one_route = {"PAIRS": False}
+    # unpermute_gather_kernel's arguments past the merge's (a permute backward's probs
+    # gradient, off here)
+    no_gp = {"gpp_ptr": None, "gp_ptr": None, "HAS_GP": False, "BLOCK_P": 1}
+    one_route = {"PAIRS": False, **no_gp}
+    pairs = {"PAIRS": True, **no_gp}
     cases = [("gather", unpermute_gather_kernel, "", wide, one_route),
              ("gather evict_first", unpermute_gather_kernel, "evict_first", small, one_route),
              ("gather_pairs", unpermute_gather_kernel, "", ((4096, (4, 8)), (8192, (8,))),
-              {"PAIRS": True}),
+              pairs),
              ("gather_pairs evict_first", unpermute_gather_kernel, "evict_first", small,
-              {"PAIRS": True})]
+              pairs)]
     cases += [(f"gather_r R={r} evict_first", gather_r_kernel, "evict_first", small, {"R": r})
               for r in (2, 4)]
     if quick:  # the small evict-first tiles, among them the launcher's (tuning.merge_tile)
@@ -734,8 +738,8 @@ def gather_config(name: str, copy_bw: float, more: bool = False,
     if not weighted:  # the merge kernel (two routes a step) against one route a step
         one = ((h, (max(1, min(8, h // 512)),)),) if h & (h - 1) == 0 and h <= 4096 else ()
         cases = [("gather (pairs)", unpermute_gather_kernel, "evict_first",
-                  ((512, (1,)), (1024, (2,))), {"PAIRS": True}),
-                 ("gather (pairs)", unpermute_gather_kernel, "", one, {"PAIRS": True}),
+                  ((512, (1,)), (1024, (2,))), pairs),
+                 ("gather (pairs)", unpermute_gather_kernel, "", one, pairs),
                  ("gather_r R=1", gather_r_kernel, "", one, {"R": 1}),
                  ("gather_r R=1 evict_first", gather_r_kernel, "evict_first", ((512, (1,)),),
                   {"R": 1})]

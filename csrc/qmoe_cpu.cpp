@@ -704,6 +704,35 @@ std::tuple<Tensor, Tensor> unpermute_backward(const Tensor& grad, const Tensor& 
   return {gi, merge_weight_grad(grad, *fwd_inp, rid, w->size(1)).to(w->scalar_type())};
 }
 
+// A permute's backward with probs: the merge of the rows' gradient, and the permuted
+// probs' gradient gpp [N] at each kept route's column of a [T, P] tensor in `dtype` (zeros
+// elsewhere; each value converted once, from fp64, which holds any float input exactly).
+std::tuple<Tensor, Tensor> permute_backward(const Tensor& grad, const Tensor& rid_in,
+                                            const Tensor& gpp_in, int64_t p,
+                                            at::ScalarType dtype) {
+  const char* op = "permute_backward";
+  const Tensor rid = rid_in.contiguous();
+  QMOE_CHECK(p >= 0, op, "num_cols must be >= 0, got ", p);
+  QMOE_CHECK(gpp_in.dim() == 1 && gpp_in.size(0) == grad.size(0), op,
+             "grad_probs must be [N] with N = ", grad.size(0), " (the rows of grad_out), got ",
+             gpp_in.sizes());
+  auto gi = unpermute(grad, rid, c10::nullopt);  // checks the map's counts and rows
+  const Tensor gpp = gpp_in.to(at::kDouble).contiguous();
+  const double* g = gpp.data_ptr<double>();
+  const int64_t n = gpp.size(0);
+  auto gp = at::zeros({rid.size(0), p}, gpp.options());
+  double* o = gp.data_ptr<double>();
+  for_each_route(rid, [&](int64_t t, const int32_t* dst, const int32_t* col, int32_t cnt) {
+    for (int32_t s = 0; s < cnt; ++s) {
+      TORCH_CHECK_VALUE(dst[s] >= 0 && dst[s] < n, "qmoe::permute_backward: row_id_map row ",
+                        dst[s], " out of range for ", n, " rows");
+      check_col(col[s], p, t);
+      o[t * p + col[s]] = g[dst[s]];
+    }
+  });
+  return {gi, gp.to(dtype)};
+}
+
 // ----------------------------------------------------------------- sort_chunks
 std::tuple<Tensor, Tensor> sort_chunks(const Tensor& inp, const Tensor& sizes, const Tensor& index,
                                        const c10::optional<Tensor>& probs) {
@@ -887,6 +916,7 @@ TORCH_LIBRARY_IMPL(qmoe, CPU, m) {
   m.impl("permute", &permute);
   m.impl("unpermute", &unpermute);
   m.impl("map_check", &map_check);
+  m.impl("permute_backward", &permute_backward);
   m.impl("unpermute_backward", &unpermute_backward);
   m.impl("unpermute_fp8", &unpermute_fp8);
   m.impl("sort_chunks", &sort_chunks);

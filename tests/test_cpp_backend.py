@@ -184,6 +184,25 @@ def test_map_check_agrees_with_torch(probs_dtype):
     assert int(ops.map_check(r, n, p)) == int(_map_check.fn(r, n, p)) == 3
 
 
+@pytest.mark.parametrize("pdtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_permute_backward_agrees_with_torch(pdtype):
+    """``qmoe::permute_backward`` in C++ against its torch kernel: the merge of the rows'
+    gradient and the probs' gradient bit for bit (dropped routes, spare rows)."""
+    from qmoe.ops.unpermute import _permute_backward_op
+
+    for t, h, e, k, extra in ((1, 1, 4, 2, 0), (63, 17, 7, 3, -5), (40, 64, 16, 8, 4)):
+        ids, mask = routing(t, e, k, "sentinels")
+        n = max(0, int(mask.sum()) + extra)
+        for rm, is_index in ((mask, False), (ids, True)):
+            rid, _ = ops.make_row_id_map(rm, n, is_index, 1)
+            g = torch.randn(n, h).to(torch.bfloat16)
+            gpp = torch.randn(n).to(pdtype)
+            got = ops.permute_backward(g, rid, gpp, rm.shape[1], pdtype)
+            want = _permute_backward_op.fn(g, rid, gpp, rm.shape[1], pdtype)
+            for a, b in zip(got, want):
+                assert_same_bits(a, b)
+
+
 def test_sort_chunks():
     x = torch.randn(50, 33).to(torch.bfloat16)
     sizes = torch.tensor([7, 0, 20, 13])

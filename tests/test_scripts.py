@@ -119,7 +119,7 @@ def test_the_check_sees_bad_calls():
     assert "missing a required argument" in problems("f()")[0]
     from qmoe.ops.kernels.unpermute import unpermute_gather_kernel
 
-    launch = ast.parse("k[(1,)](a, b, c, d, e, f, g, h, i, j, HAS_W=0, num_warps=4)").body[0]
+    launch = ast.parse("k[(1,)](a, b, c, d, e, f, g, h, i, j, k, l, HAS_W=0, num_warps=4)").body[0]
     assert "multiple values for argument 'HAS_W'" in _call_problems(
         launch.value, unpermute_gather_kernel)[0]  # `sweep permute`'s call before its mend
     names = _imported(ast.parse("import qmoe\nfrom qmoe.ops import torch_impl as B"))

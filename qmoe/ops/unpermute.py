@@ -10,6 +10,7 @@ from qmoe.ops import torch_impl
 from qmoe.ops.kernels.permute import permute_rows_triton
 from qmoe.ops.kernels.unpermute import (
     merge_backward_triton,
+    permute_backward_triton,
     unpermute_fp8_triton,
     unpermute_rows_triton,
 )
@@ -359,23 +360,77 @@ def _(qbits, scale, row_id_map, merging_probs, layout, block_size, fp8_dtype, ou
 
 
 def probs_grad(rid: torch.Tensor, grad_probs: torch.Tensor, t: int, p: int, dtype):
-    """``[T, P]`` gradient of the probs from that of ``permuted_probs`` ``[N]``."""
+    """``[T, P]`` gradient of the probs from that of ``permuted_probs`` ``[N]``: each kept
+    route's (its first ``count`` slots) ``grad_probs[row]`` at its column, zeros elsewhere.
+    Torch."""
     s = num_slots(rid)
-    dst = rid[:, :s].long()
-    vals = torch.where(dst >= 0, grad_probs[dst.clamp(min=0)] if grad_probs.numel() else 0, 0)
+    kept = torch.arange(s, device=rid.device) < rid[:, 2 * s : 2 * s + 1]
+    dst = torch.where(kept, rid[:, :s], 0).long()
+    vals = torch.where(kept, grad_probs[dst] if grad_probs.numel() else 0, 0)
     gp = torch.zeros(t, p + 1, dtype=dtype, device=rid.device)
-    cols = torch.where(dst >= 0, rid[:, s : 2 * s].long(), p)  # unused slots: scratch col
+    cols = torch.where(kept, rid[:, s : 2 * s], p).long()  # other slots: a scratch column
     gp.scatter_(1, cols, vals.to(dtype))
     return gp[:, :p]
 
 
+@define(
+    "permute_backward(Tensor grad_out, Tensor row_id_map, Tensor grad_probs, int num_cols, "
+    "ScalarType probs_dtype) -> (Tensor, Tensor)"
+)
+def _permute_backward_op(grad_out, row_id_map, grad_probs, num_cols, probs_dtype):
+    """The backward of a permute with probs: ``(grad_inp [T, H]``, each token's rows of
+    ``grad_out [N, H]`` summed in fp32 in grad_out's dtype; ``grad_probs_in [T, num_cols]``
+    in ``probs_dtype``, ``grad_probs [N]`` at each kept route's column, zeros
+    elsewhere)``. Torch (the merge op, then ``probs_grad``); one Triton launch on CUDA; a
+    C++ pass on CPU with ``qmoe._C``."""
+    gi = torch.ops.qmoe.unpermute(grad_out, row_id_map, None)
+    return gi, probs_grad(row_id_map, grad_probs, row_id_map.shape[0], num_cols, probs_dtype)
+
+
+@_permute_backward_op.register_cuda
+def _permute_backward_cuda(grad_out, row_id_map, grad_probs, num_cols, probs_dtype):
+    return permute_backward_triton(grad_out, row_id_map, grad_probs, num_cols, probs_dtype)
+
+
+@_permute_backward_op.register_fake
+def _(grad_out, row_id_map, grad_probs, num_cols, probs_dtype):
+    t = row_id_map.shape[0]
+    return (grad_out.new_empty((t, grad_out.shape[1])),
+            grad_out.new_empty((t, num_cols), dtype=probs_dtype))
+
+
+def _permute_backward_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[1])
+    ctx.num_rows, ctx.h = inputs[0].shape
+    ctx.dtype = inputs[0].dtype
+
+
+def _permute_backward_backward(ctx, u_gi, u_gp):
+    """Both outputs are linear in the inputs: ``grad_inp`` sums rows (its adjoint moves
+    ``u_gi`` to the rows), ``grad_probs_in`` moves ``grad_probs`` to columns (its adjoint
+    moves ``u_gp`` back to the rows): one permute of ``u_gi`` with ``u_gp`` as its probs."""
+    (rid,) = ctx.saved_tensors
+    n = ctx.num_rows
+    t = rid.shape[0]
+    if u_gi is None:
+        u_gi = rid.new_zeros((t, ctx.h), dtype=ctx.dtype)
+    if u_gp is None:
+        d_out, _ = torch.ops.qmoe.permute(u_gi, rid, None, n)
+        return d_out, None, None, None, None
+    d_out, d_probs = torch.ops.qmoe.permute(u_gi, rid, u_gp, n)
+    return d_out, None, d_probs, None, None
+
+
+_permute_backward_op.register_autograd(_permute_backward_backward,
+                                       setup_context=_permute_backward_setup)
+
+
 def permute_grads(rid, grad_out, grad_probs, probs_meta):
     """``(grad of inp [T, H], grad of probs [T, P] or None)`` of a permute by ``rid`` (the
-    merge of the rows' gradient: every permute's backward, fused or not);
-    ``probs_meta``: ``(probs shape, dtype)``, or None without probs."""
-    grad_inp = _unpermute(grad_out.contiguous(), rid, None)
-    gp = None
+    merge of the rows' gradient: every permute's backward, fused or not; with the probs'
+    gradient, one ``qmoe::permute_backward``); ``probs_meta``: ``(probs shape, dtype)``, or
+    None without probs."""
     if probs_meta is not None and grad_probs is not None:
-        (t, p), dtype = probs_meta
-        gp = probs_grad(rid, grad_probs, t, p, dtype)
-    return grad_inp, gp
+        (_, p), dtype = probs_meta
+        return _permute_backward_op(grad_out.contiguous(), rid, grad_probs, p, dtype)
+    return _unpermute(grad_out.contiguous(), rid, None), None

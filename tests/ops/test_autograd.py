@@ -204,3 +204,26 @@ def test_unpermute_double_backward_passes_nan_through():
     assert hy[token0_rows].isnan().all() and not hy[~torch.isin(
         torch.arange(hy.shape[0], device=DEV), token0_rows)].isnan().any()
     assert hw[0].isnan().any() and not hw[1:].isnan().any()
+
+
+@pytest.mark.parametrize("map_type", ["mask", "index"])
+def test_permute_with_probs_double_backward(map_type):
+    """Second-order gradients through a permute with probs (its backward is one
+    ``qmoe::permute_backward``, itself differentiable): the first-order gradients taken
+    with create_graph, then differentiated with respect to the upstream gradients, give
+    the permute of the new upstream rows and probs (the backward is linear in them)."""
+    t, h, e, k = 13, 7, 5, 2
+    ids, mask = routing(t, e, k, "sentinels", DEV)
+    rm = mask if map_type == "mask" else ids
+    n = int(mask.sum()) + 2
+    x = torch.randn(t, h, device=DEV, requires_grad=True)
+    p = torch.rand(t, rm.shape[1], device=DEV, requires_grad=True)
+    out, pp, rid = qmoe.moe_permute_with_probs(x, p, rm, num_out_tokens=n, map_type=map_type)
+    g = torch.randn_like(out, requires_grad=True)
+    gq = torch.randn_like(pp, requires_grad=True)
+    gx, gp = torch.autograd.grad((out, pp), (x, p), (g, gq), create_graph=True)
+    u, v = torch.randn_like(gx), torch.randn_like(gp)
+    dg, dgq = torch.autograd.grad(((gx * u).sum(), (gp * v).sum()), (g, gq))
+    want, want_p, _ = qmoe.moe_permute_with_probs(u, v, rm, num_out_tokens=n,
+                                                  map_type=map_type)
+    assert torch.equal(dg, want) and torch.equal(dgq, want_p)

@@ -136,6 +136,32 @@ def test_merge_backward_one_pass(kdevice, poisoned_empty, t, h, e, k, kind, extr
         assert (gw[off] == 0).all()
 
 
+@pytest.mark.parametrize("t,h,e,k,kind,extra", CASES + [(5, 0, 4, 2, "random", 0),
+                                                   (0, 8, 4, 2, "random", 0)])
+@pytest.mark.parametrize("map_type", ["mask", "index"])
+def test_permute_backward_one_launch(kdevice, t, h, e, k, kind, extra, map_type):
+    """A permute's backward with probs in one launch (``permute_backward_triton``): the
+    merge of the rows' gradient bit-exact against the merge alone, and the probs' gradient
+    (permuted probs' gradient at each kept route's column, zeros elsewhere, in the probs'
+    dtype) bit-exact against the torch ``probs_grad``; dropped routes, spare rows, H = 0,
+    T = 0."""
+    from qmoe.ops.unpermute import probs_grad
+
+    ids, mask = routing(t, e, k, kind, kdevice)
+    rm = mask if map_type == "mask" else ids
+    n = max(0, int(mask.sum()) + extra)
+    rid, _ = make_row_id_map(rm, n, map_type == "index", 1)
+    p = rm.shape[1]
+    for dtype in _dtypes(kdevice):
+        g = torch.randn(n, h, device=kdevice).to(dtype)
+        gpp = torch.randn(n, device=kdevice)
+        for pdtype in (torch.float32, dtype, torch.float64):
+            gi, gp = KU.permute_backward_triton(g, rid, gpp, p, pdtype)
+            assert_same_bits(gi, KU.unpermute_rows_triton(g, rid))
+            assert gp.dtype == pdtype and gp.shape == (t, p)
+            assert_same_bits(gp, probs_grad(rid, gpp, t, p, pdtype))
+
+
 def test_merge_backward_empty(kdevice):
     """No tokens: grad_inp is all zeros (N rows no token reads), the weights' gradient
     [0, P]; no rows: grad_inp [0, H], the weights' gradient zero."""

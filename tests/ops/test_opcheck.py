@@ -37,6 +37,11 @@ def _cases():
                (x, mask.to(torch.int32), probs, side, n + 8, 4))
         yield f"unpermute-{t}", ops.unpermute.default, (y, rid_m, None)
         yield f"map_check-{t}", ops.map_check.default, (rid_m, n, probs.detach())
+        gpp = torch.randn(n, device=DEV, requires_grad=True)
+        yield (f"permute_backward-{t}", ops.permute_backward.default,
+               (y, rid_m, gpp, e, torch.float32))
+        yield (f"permute_backward_index_bf16-{t}", ops.permute_backward.default,
+               (y, rid_i, gpp, ids.shape[1], torch.bfloat16))
         yield f"map_check_bad-{t}", ops.map_check.default, (rid_m, 0, None)
         yield f"unpermute_probs-{t}", ops.unpermute.default, (y, rid_m, probs)
         # fp64 router probs (Megatron's moe_router_dtype="fp64")

@@ -151,9 +151,14 @@ def unpermute_gather_kernel(
     S,
     N_IN,
     stride_w,
-    P,  # columns of the weights (a route's column >= P is an error; w_ptr holds >= 1)
+    P,  # columns of the weights (a route's column >= P is an error; w_ptr holds >= 1),
+    # or with HAS_GP (and no weights) the columns of gp
+    gpp_ptr,  # (N_IN,) float: gradient of the permuted probs (read only if HAS_GP)
+    gp_ptr,  # (T, P) float out, contiguous: gpp at each kept route's column, else 0 (HAS_GP)
     HAS_W: tl.constexpr,
+    HAS_GP: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    BLOCK_P: tl.constexpr,  # next_pow2(P) with HAS_GP
     EVICT: tl.constexpr,  # cache hint of the row loads and the store ("" or "evict_first")
     PAIRS: tl.constexpr,  # two routes a step (else one)
 ):
@@ -184,7 +189,28 @@ def unpermute_gather_kernel(
             acc, bad = _merge_add(acc, x, w, cbad, bad, HAS_W)
     tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=hmask,
              eviction_policy=EVICT)
+    # a permute's backward: the probs' gradient row, by the first column tile (nested: a
+    # compile-time flag and a program id do not combine with `and` in Triton)
+    if HAS_GP:  # noqa: SIM102
+        if tl.program_id(1) == 0:
+            _probs_grad_row(mrow, S, n, N_IN, gpp_ptr, gp_ptr + t * P, P, BLOCK_P)
     check_routes(bad)
+
+
+@triton.jit
+def _probs_grad_row(mrow, S, n, N_IN, gpp_ptr, gp_row_ptr, P, BLOCK_P: tl.constexpr):
+    """One token's row of a permute's probs gradient: ``gpp[row]`` at the column of each of
+    its n kept routes (a row outside ``[0, N_IN)`` gives 0; the merge's check reports it),
+    zeros at the other columns, stored whole in gp's dtype."""
+    pc = tl.arange(0, BLOCK_P)
+    row = tl.zeros((BLOCK_P,), dtype=tl.float32)
+    for s in range(0, n):
+        d = tl.zeros((BLOCK_P,), dtype=tl.int64) + tl.load(mrow + s)  # (a vector: the
+        c = tl.load(mrow + S + s)  # interpreter takes vector masks only)
+        hit = (pc == c) & (d >= 0) & (d < N_IN)
+        v = tl.load(gpp_ptr + tl.where(hit, d, 0), mask=hit, other=0.0).to(tl.float32)
+        row = tl.where(pc == c, v, row)
+    tl.store(gp_row_ptr + pc, row.to(gp_row_ptr.dtype.element_ty), mask=pc < P)
 
 
 @triton.jit
@@ -310,17 +336,52 @@ def unpermute_rows_triton(
         out = torch.empty(t, h, dtype=out_dtype or x.dtype, device=x.device)
     if t == 0 or h == 0:
         return out
-    x, rid = x.contiguous(), rid.contiguous()
-    bh, nw, evict, pairs = merge_tile(h, weights is not None)
-    if num_slots(rid) == 0:
-        return out.zero_()  # no routes: nothing to read
-    w, p = _weights_arg(weights, x)
-    launch(unpermute_gather_kernel, (t, cdiv(h, bh)),
-        x, out, rid, w, h, num_slots(rid), x.shape[0], w.stride(0), p,
-        HAS_W=weights is not None, BLOCK_H=bh, EVICT=evict, PAIRS=pairs, num_warps=nw,
-        **assert_options(),  # check_routes
-    )
+    _merge(x, rid, weights, out)
     return out
+
+
+def permute_backward_triton(
+    grad_out: torch.Tensor,
+    rid: torch.Tensor,
+    grad_probs: torch.Tensor,
+    num_cols: int,
+    probs_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A permute's backward in one launch: ``(grad_inp [T, H] in grad_out's dtype, the sum
+    of each token's rows of grad_out [N, H] in fp32; grad_probs_in [T, num_cols] in
+    probs_dtype, grad_probs [N] at each kept route's column, zeros elsewhere)``. No host
+    sync."""
+    t, h = rid.shape[0], grad_out.shape[1]
+    gi = torch.empty(t, h, dtype=grad_out.dtype, device=grad_out.device)
+    gp = torch.empty(t, num_cols, dtype=probs_dtype, device=grad_out.device)
+    if t == 0:
+        return gi, gp
+    _merge(grad_out, rid, None, gi, (grad_probs, gp))
+    return gi, gp
+
+
+def _merge(x, rid, weights, out, probs_grad=None) -> None:
+    """Launch ``unpermute_gather_kernel`` for ``out [T, H]`` (T > 0), and with
+    ``probs_grad = (grad_probs [N], gp [T, P])`` the permute backward's probs gradient."""
+    t, h = out.shape
+    x, rid = x.contiguous(), rid.contiguous()
+    if num_slots(rid) == 0:  # no routes: nothing to read
+        out.zero_()
+        if probs_grad is not None:
+            probs_grad[1].zero_()
+        return
+    bh, nw, evict, pairs = merge_tile(h, weights is not None)
+    w, p = _weights_arg(weights, x)
+    gpp = gp = None
+    if probs_grad is not None:
+        gpp, gp = probs_grad
+        gpp, p = gpp.contiguous(), gp.shape[1]
+    launch(unpermute_gather_kernel, (t, max(cdiv(h, bh), 1)),
+        x, out, rid, w, h, num_slots(rid), x.shape[0], w.stride(0), p, gpp, gp,
+        HAS_W=weights is not None, HAS_GP=gp is not None, BLOCK_H=bh,
+        BLOCK_P=next_pow2(max(p, 1)) if gp is not None else 1, EVICT=evict, PAIRS=pairs,
+        num_warps=nw, **assert_options(),  # check_routes
+    )
 
 
 def unpermute_fp8_triton(
