@@ -1,0 +1,99 @@
+"""Device kernels per call on CUDA, counted with torch.profiler: qmoe's hot paths launch
+only qmoe's Triton kernels (no aten glue: fills, casts, index ops) and few of them."""
+
+import inspect
+
+import pytest
+import torch
+import triton
+
+import qmoe
+from qmoe.ops import kernels as ops_kernels
+from qmoe.tensors import kernels as tensors_kernels
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="counts CUDA kernels")
+
+
+def _our_kernels() -> set[str]:
+    """The names of qmoe's Triton kernels (every JIT function in its kernel modules)."""
+    import importlib
+    import pkgutil
+
+    names = set()
+    for pkg in (ops_kernels, tensors_kernels):
+        for info in pkgutil.iter_modules(pkg.__path__):
+            mod = importlib.import_module(f"{pkg.__name__}.{info.name}")
+            for _, obj in inspect.getmembers(mod):
+                if isinstance(obj, triton.runtime.JITFunction):
+                    names.add(obj.fn.__name__)
+    return names
+
+
+def kernels_of(fn) -> list[str]:
+    """Names of the device kernels (memsets and copies included) one call of ``fn`` runs,
+    after a warm-up call (compiles, caches)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    evs = [ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
+    evs.sort(key=lambda ev: ev.time_range.start)
+    return [ev.name for ev in evs]
+
+
+def _routing(t, e, k):
+    ids = torch.rand(t, e, device="cuda").argsort(1)[:, :k]
+    mask = torch.zeros(t, e, dtype=torch.bool, device="cuda").scatter_(1, ids, True)
+    probs = torch.zeros(t, e, device="cuda").scatter(1, ids, torch.rand(t, k, device="cuda"))
+    return ids, mask, probs
+
+
+@pytest.mark.parametrize("t,h,e,k", [(256, 4096, 64, 8), (4096, 512, 256, 8)])
+def test_forward_kernel_counts(t, h, e, k):
+    """``moe_permute(mask)``: at most 3 (count, scan, move; one at small T), with probs
+    too; ``moe_unpermute``: 1; the fused ``quantize=``: at most 3; all qmoe kernels."""
+    ours = _our_kernels()
+    _, mask, probs = _routing(t, e, k)
+    x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+    n = t * k
+    y = torch.randn(n, h, device="cuda", dtype=torch.bfloat16)
+    _, rid = qmoe.moe_permute(x, mask, num_out_tokens=n)
+    cases = {
+        "moe_permute": (lambda: qmoe.moe_permute(x, mask, num_out_tokens=n), 3),
+        "moe_permute_with_probs": (
+            lambda: qmoe.moe_permute_with_probs(x, probs, mask, num_out_tokens=n), 3),
+        "moe_unpermute": (lambda: qmoe.moe_unpermute(y, rid, probs), 1),
+        "quantize=": (lambda: qmoe.moe_permute(x, mask, num_out_tokens=n,
+                                               quantize=qmoe.Blockwise()), 3),
+    }
+    for name, (fn, most) in cases.items():
+        got = kernels_of(fn)
+        assert 1 <= len(got) <= most, (name, got)
+        assert set(got) <= ours, (name, sorted(set(got) - ours))
+
+
+def test_backward_kernel_counts():
+    """The backward of ``moe_permute_with_probs``: one launch (the merge of the rows'
+    gradient writes the probs' gradient); of ``moe_unpermute(merging_probs)``: the merge
+    backward (both gradients) and the zeroing of rows no token reads, behind a flag fill;
+    qmoe kernels and that fill only."""
+    ours = _our_kernels()
+    t, h, e, k = 256, 4096, 64, 8
+    _, mask, probs = _routing(t, e, k)
+    x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    p = probs.clone().requires_grad_()
+    n = t * k
+    out, pp, rid = qmoe.moe_permute_with_probs(x, p, mask, num_out_tokens=n)
+    g, gq = torch.randn_like(out), torch.randn_like(pp)
+    got = kernels_of(lambda: torch.autograd.grad((out, pp), (x, p), (g, gq),
+                                                 retain_graph=True))
+    assert len(got) == 1 and set(got) <= ours, got
+    y = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    merged = qmoe.moe_unpermute(y, rid, p)
+    gm = torch.randn_like(merged)
+    got = kernels_of(lambda: torch.autograd.grad(merged, (y, p), gm, retain_graph=True))
+    glue = [name for name in got if name not in ours]
+    assert len(got) <= 3 and len(glue) <= 1, got  # glue: the int8 flags' fill
