@@ -370,7 +370,7 @@ def probs_grad(rid: torch.Tensor, grad_probs: torch.Tensor, t: int, p: int, dtyp
     gp = torch.zeros(t, p + 1, dtype=dtype, device=rid.device)
     cols = torch.where(kept, rid[:, s : 2 * s], p).long()  # other slots: a scratch column
     gp.scatter_(1, cols, vals.to(dtype))
-    return gp[:, :p]
+    return gp[:, :p].contiguous()  # (qmoe::permute_backward's output: contiguous)
 
 
 @define(
