@@ -4,7 +4,8 @@ r"""CPU paths side by side: C++ kernels (qmoe._C), the vectorized torch path, pl
     GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736 \
         python -m benchmarks.bench_cpu --out reuse.json   # outputs reuse faulted-in pages
 
-Configs (T, H, E, K), bf16: dsv3 (4096, 7168, 256, 8) and mixtral (8192, 4096, 8, 2);
+Configs (T, H, E, K), bf16: dsv3 (4096, 7168, 256, 8), mixtral (8192, 4096, 8, 2), and the
+small cpu256 (256, 256, 8, 2) and cpu1024 (1024, 1024, 8, 2) where per-call overhead shows;
 ``--configs`` picks others of the shared table (``--configs tiny``: a smoke run).
 Bytes: each input row read once and each output row written once. The ceiling is a
 single-threaded memcpy (numpy copyto of 512 MiB, bytes read + written, into a buffer
@@ -73,7 +74,26 @@ def run_config(name: str, bw: float, iters: int, cpp_only: bool = False) -> list
         acc.index_add_(0, order // k, y.float() * w_flat[order, None])
         return acc.to(torch.bfloat16)
 
+    xg = x.clone().requires_grad_()
+    pg = probs.clone().requires_grad_()
+
+    def qmoe_step():  # permute with probs, merge with them, backward of both
+        out, _, r = qmoe.moe_permute_with_probs(xg, pg, mask, num_out_tokens=n)
+        qmoe.moe_unpermute(out, r, pg).float().sum().backward()
+
+    def plain_step():  # the same math in plain PyTorch (autograd of index ops)
+        tok = torch.argsort(ids.reshape(-1), stable=True)
+        rows = xg.index_select(0, tok // k)
+        w = pg.gather(1, ids).reshape(-1)[tok]
+        acc = torch.zeros(t, h).index_add(0, tok // k, rows.float() * w[:, None])
+        acc.to(torch.bfloat16).float().sum().backward()
+
     cases = {
+        "MoE step (fwd + bwd)": {
+            "c++": qmoe_step,
+            "torch path": None,
+            "plain pytorch": plain_step,
+        },
         "permute (map + rows)": {
             "c++": lambda: qmoe.moe_permute(x, mask, n),
             "torch path": torch_path_permute,
@@ -87,6 +107,7 @@ def run_config(name: str, bw: float, iters: int, cpp_only: bool = False) -> list
         },
     }
     for op, impls in cases.items():
+        impls = {k_: f for k_, f in impls.items() if f is not None}
         if cpp_only:
             impls = {"c++": impls["c++"]}
         sys0 = resource.getrusage(resource.RUSAGE_SELF).ru_stime
@@ -96,15 +117,19 @@ def run_config(name: str, bw: float, iters: int, cpp_only: bool = False) -> list
                     if k_ != "c++"})
         gbs = move / (res["c++"] * 1e-3) / 1e9
         row = {"config": name, "T": t, "H": h, "E": e, "K": k, "op": op,
-               **{f"{k_}_ms": round(v, 2) for k_, v in res.items()},
-               "c++_system_ms_per_call": round(sys_ms, 2),
-               "c++_GB/s": round(gbs, 2), "pct_memcpy": round(100 * gbs / bw, 1)}
-        if not cpp_only:
+               **{f"{k_}_ms": round(v, 3) for k_, v in res.items()},
+               "c++_system_ms_per_call": round(sys_ms, 2)}
+        if not op.startswith("MoE step"):  # (a step is not one pass over the rows)
+            row.update({"c++_GB/s": round(gbs, 2), "pct_memcpy": round(100 * gbs / bw, 1)})
+        if "torch path" in res:
             row["speedup_vs_torch_path"] = round(res["torch path"] / res["c++"], 2)
+        if "plain pytorch" in res:
+            row["speedup_vs_plain"] = round(res["plain pytorch"] / res["c++"], 2)
         rows.append(row)
         others = "".join(f", {k_} {v:8.2f} ms" for k_, v in res.items() if k_ != "c++")
-        print(f"{name:>8} {op:>26}: c++ {res['c++']:8.2f} ms ({100 * gbs / bw:5.1f}% of "
-              f"memcpy; system time {sys_ms:6.2f} ms a call){others}", file=sys.stderr)
+        pct = f"{row['pct_memcpy']:5.1f}% of memcpy; " if "pct_memcpy" in row else ""
+        print(f"{name:>8} {op:>26}: c++ {res['c++']:8.3f} ms ({pct}system time "
+              f"{sys_ms:6.2f} ms a call){others}", file=sys.stderr)
     return rows
 
 
@@ -113,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None)
     p.add_argument("--iters", type=int, default=5)
-    p.add_argument("--configs", default="dsv3,mixtral",
+    p.add_argument("--configs", default="dsv3,mixtral,cpu256,cpu1024",
                    help="comma list of benchmarks.common.CONFIGS names")
     p.add_argument("--cpp-only", action="store_true",
                    help="time the C++ path alone (no torch-path or plain-PyTorch runs between)")

@@ -23,10 +23,13 @@ CONFIGS = {  # name: (T, H, E, K)
     "qwen3next": (16384, 2048, 512, 10),
     "small": (256, 4096, 64, 8),
     "tiny": (64, 256, 8, 2),  # CPU smoke run only
+    # bench_cpu only: small CPU steps, where per-call overhead shows
+    "cpu256": (256, 256, 8, 2),
+    "cpu1024": (1024, 1024, 8, 2),
     # sweeps only: a mask just past the one-launch size (the three-launch form at small T)
     "mid": (1024, 4096, 64, 8),
 }
-SWEEP_ONLY = ("tiny", "mid")
+SWEEP_ONLY = ("tiny", "mid", "cpu256", "cpu1024")
 # ``bench quantize``'s shapes: tokens x hidden, no routing
 QUANTIZE_CONFIGS = {  # name: (T, H)
     "dsv3": (16384, 7168),
