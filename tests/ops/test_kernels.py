@@ -104,13 +104,20 @@ def test_merge_in_column_tiles(kdevice, h):
     (5, 4100, 16, 7, "random", 3),  # 4 routes a step (H >= 4096, 16 columns)
 ])
 @pytest.mark.parametrize("map_type", ["mask", "index"])
-def test_merge_backward_one_pass(kdevice, poisoned_empty, t, h, e, k, kind, extra, map_type):
+@pytest.mark.parametrize("flags", [False, True])
+def test_merge_backward_one_pass(kdevice, poisoned_empty, t, h, e, k, kind, extra, map_type,
+                                 flags, monkeypatch):
     """Both gradients of the weighted merge in one kernel (``merge_backward_triton``):
     grad_inp bit-exact against the torch scatter of ``grad * weight`` (rows no token
-    reads zero, into poison), the weights' gradient against fp64 dot products (exact zeros
-    off the kept routes) in the weights' dtype; dropped routes, spare rows, 1-column rows,
-    wide rows in 1024-column tiles (the last partial), two and four routes a step."""
+    reads zero, into poison: zeroed first, or with ``flags`` flagged and zeroed after, as
+    above ``MERGE_BACKWARD_FILL_BYTES``), the weights' gradient against fp64 dot products
+    (exact zeros off the kept routes) in the weights' dtype; dropped routes, spare rows,
+    1-column rows, wide rows in 1024-column tiles (the last partial), two and four routes
+    a step."""
     from qmoe.ops.kernels.unpermute import merge_backward_triton
+
+    if flags:
+        monkeypatch.setattr(KU, "MERGE_BACKWARD_FILL_BYTES", 0)
 
     ids, mask = routing(t, e, k, kind, kdevice)
     rm = mask if map_type == "mask" else ids

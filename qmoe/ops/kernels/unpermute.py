@@ -23,7 +23,13 @@ from qmoe._intmath import cdiv, next_pow2
 from qmoe._triton import launch
 from qmoe.ops.kernels.permute import zero_unwritten_rows
 from qmoe.ops.launch import assert_options, num_slots, unit_stride
-from qmoe.ops.tuning import MergeBackwardTiling, fp8_merge_tile, merge_backward_tile, merge_tile
+from qmoe.ops.tuning import (
+    MERGE_BACKWARD_FILL_BYTES,
+    MergeBackwardTiling,
+    fp8_merge_tile,
+    merge_backward_tile,
+    merge_tile,
+)
 from qmoe.tensors import layouts
 from qmoe.tensors.kernels.quantize import fp8_bits_to_fp32
 from qmoe.tensors.layouts import fp8_fields
@@ -40,7 +46,7 @@ def merge_backward_kernel(
     map_ptr,  # (T, 2S+1) int32 row_id_map
     w_ptr,  # (T, P) float merging weights, row stride stride_w
     gx_ptr,  # (N, H) g's dtype out: w * g[t] at each of t's rows
-    written_ptr,  # (N,) int8, zero-initialized: 1 for every row written
+    written_ptr,  # (N,) int8, zero-initialized: 1 for every row written (if HAS_FLAGS)
     gw_ptr,  # (T, P) weights' dtype out, contiguous: <g[t], x[row]> at each route's column
     N,
     H,
@@ -50,6 +56,7 @@ def merge_backward_kernel(
     KB: tl.constexpr,  # routes a step (their row tiles in flight together)
     BLOCK_H: tl.constexpr,
     BLOCK_P: tl.constexpr,
+    HAS_FLAGS: tl.constexpr,  # flag the rows written (else gx was zeroed before)
 ):
     """Grid ``(T,)``. Dot products in fp32, per route each lane adding its columns tile by
     tile, then one sum across the lanes (a fixed order: deterministic)."""
@@ -74,7 +81,8 @@ def merge_backward_kernel(
             acc += g[None, :] * x.to(tl.float32)
             tl.store(gx_ptr + d[:, None] * H + cols[None, :],
                      (g[None, :] * w[:, None]).to(gx_ptr.dtype.element_ty), mask=m)
-        tl.store(written_ptr + d, tl.full((KB,), 1, dtype=tl.int8), mask=live)
+        if HAS_FLAGS:
+            tl.store(written_ptr + d, tl.full((KB,), 1, dtype=tl.int8), mask=live)
         dots = tl.sum(acc, axis=1)  # [KB]: each route's column gets its own dot
         hit = (pc[None, :] == c[:, None]) & live[:, None]
         gw_row += tl.sum(tl.where(hit, dots[:, None], 0.0), axis=0)
@@ -432,9 +440,10 @@ def merge_backward_triton(
     """Both gradients of the weighted merge in one pass: ``(grad_inp [N, H] in grad_out's
     dtype, grad_merging_probs [T, P] in merging_probs' dtype)`` for ``grad_out [T, H]``, the
     merge's input ``fwd_inp [N, H]`` and ``merging_probs [T, P]``. Rows no token reads are
-    zero (flagged, then zeroed by a second launch). ``tiling`` overrides
-    ``merge_backward_tile`` (benchmarks); ``out`` (tests: poisoned) receives ``grad_inp``.
-    No host sync."""
+    zero: up to ``MERGE_BACKWARD_FILL_BYTES`` grad_inp is zeroed first (two launches),
+    above it the rows written are flagged and the others zeroed by a last launch (three).
+    ``tiling`` overrides ``merge_backward_tile`` (benchmarks); ``out`` (tests: poisoned)
+    receives ``grad_inp``. No host sync."""
     t, h = grad_out.shape
     n, p = fwd_inp.shape[0], merging_probs.shape[1]
     gi = grad_out.new_empty((n, h)) if out is None else out
@@ -444,12 +453,16 @@ def merge_backward_triton(
     merging_probs, row_id_map = unit_stride(merging_probs), row_id_map.contiguous()
     o = tiling or MergeBackwardTiling()
     kb, bh, nw = merge_backward_tile(h, p)
-    written = torch.zeros(n, dtype=torch.int8, device=grad_out.device)
+    flags = gi.numel() * gi.element_size() > MERGE_BACKWARD_FILL_BYTES
+    written = torch.zeros(n, dtype=torch.int8, device=grad_out.device) if flags else None
+    if not flags:
+        gi.zero_()
     launch(merge_backward_kernel, (t,),
         grad_out.contiguous(), fwd_inp.contiguous(), row_id_map, merging_probs, gi, written,
         gw, n, h, num_slots(row_id_map), p, merging_probs.stride(0), KB=o.kb or kb,
-        BLOCK_H=o.block_h or bh, BLOCK_P=next_pow2(p), num_warps=o.num_warps or nw,
+        BLOCK_H=o.block_h or bh, BLOCK_P=next_pow2(p), HAS_FLAGS=flags,
+        num_warps=o.num_warps or nw,
     )
-    if n:
+    if flags and n:
         zero_unwritten_rows(gi, written)
     return gi, gw
