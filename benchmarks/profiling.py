@@ -274,6 +274,14 @@ def small_main(a) -> None:
         out, _, r = qmoe.moe_permute_with_probs(xg, pg, mask, num_out_tokens=n)
         qmoe.moe_unpermute(out, r, pg).float().sum().backward()
 
+    @torch.compile  # (default mode; the backward runs outside, as in training loops)
+    def step_loss(xg, pg):
+        out, _, r = qmoe.moe_permute_with_probs(xg, pg, mask, num_out_tokens=n)
+        return qmoe.moe_unpermute(out, r, pg).float().sum()
+
+    def step_compiled():
+        step_loss(xg, pg).backward()
+
     ints = [0] * 8
     cases = {
         "triton empty kernel, 1 arg": lambda: _empty1[(1,)](x),
@@ -301,6 +309,7 @@ def small_main(a) -> None:
             y, torch.full((32,), n // 32, device=dev, dtype=torch.int64),
             torch.arange(32, device=dev).flip(0)),
         "step: permute_with_probs + unpermute + backward": step,
+        "step, forward under torch.compile": step_compiled,
     }
     rows = []
     for name, fn in cases.items():
