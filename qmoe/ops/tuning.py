@@ -172,7 +172,12 @@ SMALL_MAP_BYTES = 1 << 15
 def small_mask(m: torch.Tensor) -> bool:
     """Whether a mask (from ``mask_operand``) is small enough (``SMALL_MAP_BYTES``) for the
     one-launch forms, whose programs each count all of it."""
-    return m.shape[0] * next_pow2(m.shape[1]) * m.element_size() <= SMALL_MAP_BYTES
+    return small_map(m.shape[0], m.shape[1], m.element_size())
+
+
+def small_map(t: int, e: int, itemsize: int) -> bool:
+    """``small_mask`` of a ``[T, E]`` mask of ``itemsize``-byte entries."""
+    return t * next_pow2(e) * itemsize <= SMALL_MAP_BYTES
 
 
 def small_map_walk(t: int, block_e: int, num_warps: int) -> tuple[int, int]:

@@ -19,6 +19,9 @@ the token programs zero the rows no route writes.
 
 from __future__ import annotations
 
+import functools
+from types import MappingProxyType
+
 import torch
 import triton
 import triton.language as tl
@@ -42,7 +45,7 @@ from qmoe.ops.tuning import (
     fused_map_tiling,
     reg_routes_flag,
     scatter_tile,
-    small_mask,
+    small_map,
     tail_programs,
 )
 
@@ -232,32 +235,46 @@ def permute_mask_triton(
     ns = so.shape[1] if side is not None else 0
     m = mask_operand(mask)
     x, probs, side = unit_stride(x), unit_stride(probs), unit_stride(side)
+    has_p, has_s = probs is not None, side is not None
+    grid, small, bt, map_warps, pdl, options = _mask_plan(
+        t, h, e, n, align_size, x.element_size(), m.element_size(), has_p, has_s, ns, o,
+        o.pdl if o.pdl is not None else pdl_default(x))
+    before, total = (None, None) if small else block_counts(m, bt, map_warps, pdl)
+    launch(permute_mask_kernel, grid,
+        x, out, m, before, total, rid, probs, pp if has_p else None, side,
+        so if has_s else None, t, n, h, e, ns, max(align_size, 1), tail_programs(n),
+        x.stride(0), m.stride(0), probs.stride(0) if has_p else None,
+        side.stride(0) if has_s else None, **options,
+    )
+    return out, pp, so, rid
+
+
+@functools.lru_cache(maxsize=1024)
+def _mask_plan(t, h, e, n, align_size, x_size, m_size, has_p, has_s, ns, o, pdl_ok):
+    """``(grid, SMALL, count block, count warps, PDL, launch options)`` of
+    ``permute_mask_kernel`` for these sizes and overrides ``o`` (``pdl_ok``: PDL allowed
+    here): pure in its arguments, so kept per process (no data; the options read-only)."""
     be = next_pow2(e)
     d = fused_map_tiling(t, e)
     bt, map_warps = o.block_t or d.block_t, o.map_warps or d.num_warps
-    bh, _, kb = scatter_tile(h, x.element_size(), False)
+    bh, _, kb = scatter_tile(h, x_size, False)
     bh = o.block_h or bh
     nw = o.num_warps or FUSED_WARPS
-    small = o.one_launch if o.one_launch is not None else small_mask(m)
-    pdl = not small and (pdl_default(x) if o.pdl is None else o.pdl)
-    before, total = (None, None) if small else block_counts(m, bt, map_warps, pdl)
+    small = o.one_launch if o.one_launch is not None else small_map(t, e, m_size)
+    pdl = not small and pdl_ok
     ranges = e if align_size > 1 else 0
-    z = tail_programs(n)
-    has_p, has_s = probs is not None, side is not None
     tokens = o.tokens or FUSED_TOKENS
     if not small and bt % tokens:
         raise ValueError(f"tokens per program ({tokens}) must divide the count block ({bt})")
-    launch(permute_mask_kernel, (cdiv(t, tokens) + ranges + z, cdiv(max(h, 1), bh)),
-        x, out, m, before, total, rid, probs, pp if has_p else None, side,
-        so if has_s else None, t, n, h, e, ns, max(align_size, 1), z, x.stride(0),
-        m.stride(0), probs.stride(0) if has_p else None, side.stride(0) if has_s else None,
+    grid = (cdiv(t, tokens) + ranges + tail_programs(n), cdiv(max(h, 1), bh))
+    options = MappingProxyType(dict(
         HAS_P=has_p, HAS_SIDE=has_s, SMALL=small, BLOCK_T=bt, BLOCK_E=be,
         CHUNK_T=count_chunk(t, be, nw), KB=kb, BLOCK_H=bh,
         BLOCK_S=next_pow2(max(ns, 1)), TOKENS=tokens,
         REG_ROUTES=reg_routes_flag(be, o.reg_routes), PDL=pdl, num_warps=nw,
         **pdl_options(pdl), **assert_options(),  # assert_probs_not_nan
-    )
-    return out, pp, so, rid
+    ))
+    return grid, small, bt, map_warps, pdl, options
 
 
 def fused_outputs(x, routing_map, n, probs, side, out=None):
