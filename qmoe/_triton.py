@@ -22,7 +22,8 @@ such as proton) are called as Triton calls them; the interpreter (``TRITON_INTER
 takes Triton's path.
 
 Call shape: runtime arguments positionally, in the kernel's parameter order, then its
-``tl.constexpr`` parameters and the launch options as keywords.
+``tl.constexpr`` parameters and the launch options as keywords. The cache serves kernels
+whose first argument is a CUDA tensor (all of qmoe's); anything else takes Triton's path.
 """
 
 from __future__ import annotations
@@ -70,8 +71,10 @@ def launch(kernel, grid: tuple, *args, **options) -> None:
     """``kernel[grid](*args, **options)`` through the compiled-kernel cache (module doc).
     ``grid``: a tuple of 1 to 3 ints; ``args``: the kernel's runtime parameters in order;
     ``options``: its constexpr parameters and launch options, as keywords."""
-    if not isinstance(kernel, triton.runtime.JITFunction):  # the interpreter
-        kernel[grid](*args, **options)
+    first = args[0] if args else None
+    if (not isinstance(kernel, triton.runtime.JITFunction)  # the interpreter
+            or not isinstance(first, torch.Tensor) or not first.is_cuda):
+        kernel[grid](*args, **options)  # (a launch on CPU tensors: a harness's recording)
         return
     device = torch.cuda.current_device()
     key = (kernel, device, tuple(options.items()), _specs(args))

@@ -32,7 +32,13 @@ from qmoe.ops.permute import _permute, _permute_with_scales
 from qmoe.ops.permute_index import _permute_index
 from qmoe.ops.permute_mask import _permute_mask
 from qmoe.ops.sort_chunks import _sort_chunks, _sort_chunks_rows
-from qmoe.ops.unpermute import _unpermute, _unpermute_backward, _unpermute_fp8
+from qmoe.ops.unpermute import (
+    _permute_backward_op,
+    _unpermute,
+    _unpermute_backward,
+    _unpermute_fp8,
+    probs_grad,
+)
 from qmoe.tensors.base import QuantizedTensor, register_passthrough
 from qmoe.tensors.layouts import FP8_BLOCK_E8M0, FP8_BLOCK_FP32, FP8_PER_TENSOR
 from qmoe.tensors.types import MXFP8Tensor
@@ -154,6 +160,15 @@ def unpermute_rule(rows: RowLayout, func, args, kwargs):
     return _unpermute_fp8(bits, layout[2], rid, weights, layout[0], layout[1], *layout[3:])
 
 
+def permute_backward_rule(rows: RowLayout, func, args, kwargs):
+    """A permute's backward (``qmoe::permute_backward``) with a quantized rows' gradient
+    (a compiled graph's guessed FP8 tangent): the rows merged as ``unpermute_rule`` merges
+    them, the probs' gradient from the permuted probs' as for plain rows."""
+    grad, rid, grad_probs, num_cols, probs_dtype = args
+    gi = unpermute_rule(rows, _unpermute, (grad, rid, None), {})
+    return gi, probs_grad(rid, grad_probs, rid.shape[0], num_cols, probs_dtype)
+
+
 def unpermute_backward_rule(rows: RowLayout, func, args, kwargs):
     """The merge's backward with quantized forward rows or gradient: both dequantized (the
     weights' gradient reads the rows in fp32)."""
@@ -173,7 +188,8 @@ def rules(rows: RowLayout) -> dict:
             _permute_mask.default: bind(fused_permute_rule),
             _permute_index.default: bind(fused_permute_rule),
             _sort_chunks.default: bind(sort_chunks_rule),
-            _unpermute.default: bind(unpermute_rule)}
+            _unpermute.default: bind(unpermute_rule),
+            _permute_backward_op.default: bind(permute_backward_rule)}
 
 
 for _op, _rule in {**rules(QMOE_ROWS),
