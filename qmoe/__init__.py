@@ -4,6 +4,7 @@ from qmoe._backends import backends, load_cpp_kernels
 from qmoe.interop import from_torchao, to_torchao
 from qmoe.ops import (
     expert_offsets,
+    grouped_mm,
     moe_permute,
     moe_permute_and_pad_with_probs,
     moe_permute_with_probs,
@@ -37,6 +38,7 @@ __version__ = "0.1.0"
 __all__ = [
     "tokens_per_expert",
     "expert_offsets",
+    "grouped_mm",
     "backends",
     "from_torchao",
     "to_torchao",

@@ -1,0 +1,186 @@
+"""``qmoe.grouped_mm``: the expert GEMM of permuted rows, forward and backward, with FP8
+rows consumed as they are where this GPU has a grouped FP8 GEMM.
+
+Glossary: N permuted rows, K the contraction dim (the rows' width), M the output width,
+E experts (groups). ``offsets`` is what ``qmoe.expert_offsets`` returns: int32 ``[E]``,
+the end row of each expert's group (``torch.nn.functional.grouped_mm``'s ``offs``).
+
+Paths, chosen from the inputs, never by a fallback warning:
+
+* **FP8 row-wise** (rows with one scale per row: a ``Float8Tensor``, whose per-tensor
+  scale serves every row, or a ``Float8BlockwiseTensor`` whose one block spans the row;
+  e4m3; CUDA of compute capability 9.x): ``torch._scaled_grouped_mm`` on the rows' fp8
+  bits and scales as they are, the weights quantized per expert and output column in the
+  call (e4m3, ``scale = amax / 448``). Backward: the input gradient in FP8 (the gradient
+  quantized per row, the weights per expert and *input* column), the weight gradient in
+  bf16 (2-D x 2-D grouped over the offsets), the rows dequantized for it: on an H100 the
+  FP8 form of that shape was measured slower than bf16 (issue tracker, FP8 expert GEMMs).
+* **High precision** (everything else): quantized rows dequantized explicitly (blockwise
+  1x128 and MX rows have no grouped GEMM of their layout in this torch on Hopper), then
+  ``torch.nn.functional.grouped_mm`` in the weights' dtype, forward and backward.
+
+Rows past ``offsets[-1]`` belong to no expert: their output (and their gradient) is zero.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from qmoe.ops import checks as C
+from qmoe.tensors.base import QuantizedTensor
+from qmoe.tensors.layouts import EPS
+from qmoe.tensors.types import Float8BlockwiseTensor, Float8Tensor
+
+__all__ = ["grouped_mm"]
+
+_E4M3 = torch.float8_e4m3fn
+_E4M3_MAX = float(torch.finfo(_E4M3).max)
+
+
+def _rowwise_fp8(rows) -> bool:
+    """Whether ``rows`` take the FP8 row-wise path (module doc)."""
+    if not isinstance(rows, (Float8Tensor, Float8BlockwiseTensor)) or not rows.is_cuda:
+        return False
+    if rows.fp8_dtype != _E4M3 or torch.cuda.get_device_capability(rows.device)[0] != 9:
+        return False
+    return rows.block_size is None or rows.block_size >= rows.shape[-1]
+
+
+def _row_scales(rows) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(bits [N, K] e4m3, scale [N] fp32)`` of row-wise FP8 rows."""
+    n = rows.shape[0]
+    if rows.block_size is None:
+        return rows.qdata, rows.scale.float().reshape(1).expand(n).contiguous()
+    return rows.qdata, rows.raw_scale.float().reshape(n).contiguous()
+
+
+def _quantize_last(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(e4m3 bits, fp32 scales)`` of ``x`` quantized along its last dim (one scale per
+    vector, ``max(amax, EPS) / 448``), contiguous."""
+    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=EPS) / _E4M3_MAX
+    q = (x.float() / scale).clamp(-_E4M3_MAX, _E4M3_MAX).to(_E4M3)
+    return q.contiguous(), scale.squeeze(-1)
+
+
+def _high(rows, dtype: torch.dtype) -> torch.Tensor:
+    """``rows`` in ``dtype`` (quantized rows dequantized)."""
+    if isinstance(rows, QuantizedTensor):
+        return rows.dequantize(dtype)
+    return rows.to(dtype)
+
+
+def _zero_tail(out: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``out [N, X]`` with the rows at or past ``offsets[-1]`` zeroed (no host sync)."""
+    if offsets.numel() == 0:
+        return torch.zeros_like(out)
+    rows = torch.arange(out.shape[0], device=out.device)[:, None]
+    return torch.where(rows < offsets[-1], out, 0)
+
+
+def _fp8_forward(rows, weight, offsets) -> torch.Tensor:
+    a, a_scale = _row_scales(rows)
+    # weights [E, K, M] per expert and output column: quantized along K, column-major
+    b, b_scale = _quantize_last(weight.transpose(-2, -1))  # [E, M, K] contiguous
+    return torch._scaled_grouped_mm(a, b.transpose(-2, -1), a_scale, b_scale, offsets,
+                                    out_dtype=torch.bfloat16)
+
+
+def _fp8_input_grad(grad, weight, offsets) -> torch.Tensor:
+    g, g_scale = _quantize_last(grad)  # [N, M] per row
+    b, b_scale = _quantize_last(weight)  # [E, K, M] per expert and input column
+    return torch._scaled_grouped_mm(g, b.transpose(-2, -1), g_scale, b_scale, offsets,
+                                    out_dtype=torch.bfloat16)
+
+
+class _GroupedMM(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows, weight, offsets, fp8: bool):
+        if fp8:
+            out = _fp8_forward(rows, weight, offsets)
+        else:
+            out = F.grouped_mm(_high(rows, weight.dtype), weight, offs=offsets)
+        ctx.fp8 = fp8
+        ctx.rows_dtype = rows.dtype
+        ctx.save_for_backward(rows, weight, offsets)
+        return _zero_tail(out, offsets)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows, weight, offsets = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_rows = grad_weight = None
+        if ctx.needs_input_grad[0]:
+            if ctx.fp8:
+                gr = _fp8_input_grad(grad, weight, offsets)
+            else:
+                gr = F.grouped_mm(grad.to(weight.dtype), weight.transpose(-2, -1),
+                                  offs=offsets)
+            grad_rows = _zero_tail(gr, offsets).to(ctx.rows_dtype)
+        if ctx.needs_input_grad[1]:
+            a = _high(rows, weight.dtype)
+            grad_weight = F.grouped_mm(a.t(), grad.to(weight.dtype), offs=offsets)
+        return grad_rows, grad_weight, None, None
+
+
+def _check(fn, rows, weight, offsets) -> None:
+    if not isinstance(rows, torch.Tensor) or rows.dim() != 2:
+        raise ValueError(f"{fn}: rows must be a 2-D [N, K] tensor (the permuted rows), got "
+                         f"{getattr(rows, 'shape', type(rows).__name__)}")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 3:
+        raise ValueError(f"{fn}: weight must be a 3-D [E, K, M] tensor (one [K, M] matrix "
+                         f"per expert), got {getattr(weight, 'shape', type(weight).__name__)}")
+    if isinstance(weight, QuantizedTensor) or weight.dtype not in (torch.bfloat16,
+                                                                   torch.float32):
+        raise TypeError(f"{fn}: weight must be bf16 (or fp32 on CPU), got "
+                        f"{type(weight).__name__} {weight.dtype}; keep the master weights in "
+                        "high precision (the FP8 path quantizes them in the call)")
+    if weight.is_cuda and weight.dtype != torch.bfloat16:
+        raise TypeError(f"{fn}: CUDA grouped GEMMs take bf16 weights, got {weight.dtype}; "
+                        "pass weight.bfloat16()")
+    e, k, m = weight.shape
+    if rows.shape[1] != k:
+        raise ValueError(f"{fn}: rows are [N, {rows.shape[1]}] but weight is [E, {k}, {m}]; "
+                         "the rows' width must be the weights' K")
+    if not isinstance(offsets, torch.Tensor) or offsets.dtype != torch.int32 or (
+            offsets.dim() != 1) or offsets.shape[0] != e:
+        raise TypeError(f"{fn}: offsets must be int32 [E] = [{e}] (qmoe.expert_offsets), "
+                        f"got {getattr(offsets, 'dtype', type(offsets).__name__)} "
+                        f"{tuple(getattr(offsets, 'shape', ()))}")
+    C.check_same_device(fn, "rows", rows, weight=weight, offsets=offsets)
+    elem = weight.element_size()
+    if (k * elem) % 16 or (m * elem) % 16:
+        raise ValueError(f"{fn}: grouped GEMMs need rows of a multiple of 16 bytes: K={k} and "
+                         f"M={m} in {weight.dtype} must be multiples of {16 // elem}; pad the "
+                         "hidden and expert widths")
+    if e and offsets.numel():
+        ok = (offsets[0] >= 0) & (offsets[-1] <= rows.shape[0])
+        if e > 1:
+            ok = ok & (offsets[1:] >= offsets[:-1]).all()
+        C.check_values(fn, ok, f"offsets must rise from >= 0 to at most N={rows.shape[0]} "
+                       "(the rows' count); pass qmoe.expert_offsets of the permute's counts")
+
+
+@C.user_errors
+def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor
+               ) -> torch.Tensor:
+    """Each expert's rows times its weights: ``out[r] = rows[r] @ weight[e]`` for the rows
+    ``r`` of expert ``e``'s group, ``[offsets[e-1], offsets[e])`` (``offsets[-1] = 0``).
+
+    Args:
+        rows: ``[N, K]`` bf16/fp32 (fp32 on CPU), or a qmoe FP8 tensor: per-tensor
+            (``Float8Tensor``) or row-wise (``Float8BlockwiseTensor`` with one block per row)
+            e4m3 rows run an FP8 grouped GEMM on Hopper; other layouts and devices are
+            dequantized first (module doc). Differentiable.
+        weight: ``[E, K, M]`` bf16 (fp32 allowed on CPU), the experts' matrices;
+            differentiable. K and M must be multiples of 8 (16-byte rows).
+        offsets: int32 ``[E]``, each group's end row, rising, at most N
+            (``qmoe.expert_offsets``): checked without a host sync on CUDA (an async
+            device assert), with a ``ValueError`` on CPU.
+
+    Returns ``[N, M]`` bf16 for the FP8 path, else in the weights' dtype; rows past
+    ``offsets[-1]`` are zero. No host sync.
+    """
+    fn = "grouped_mm"
+    _check(fn, rows, weight, offsets)
+    return _GroupedMM.apply(rows, weight, offsets, _rowwise_fp8(rows))

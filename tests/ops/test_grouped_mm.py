@@ -1,0 +1,189 @@
+"""``qmoe.grouped_mm`` against an fp32 per-expert loop: forward, input and weight
+gradients, SQNR floors per path; quantized rows, empty groups, a tail past the last
+offset, bad input, compile; on Hopper the FP8 row-wise path."""
+
+import pytest
+import torch
+
+import qmoe
+from tests.tensors.helpers import assert_same_bits, sqnr_db
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+HOPPER = DEV == "cuda" and torch.cuda.get_device_capability()[0] == 9
+
+# SQNR floors (dB) against the fp32 loop: bf16 inputs and outputs (the loop sees the same
+# bf16 values; only the GEMM's accumulation and the output rounding differ), and the FP8
+# row-wise path (e4m3 rows and weights: about 31 dB each, their product lower).
+BF16_FLOOR = 40.0
+FP8_FLOOR = 24.0
+
+
+def _offsets(counts, device=DEV):
+    return torch.tensor(counts, device=device).cumsum(0).to(torch.int32)
+
+
+def _loop(rows: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """fp32 per-expert loop; rows past the last offset zero."""
+    out = torch.zeros(rows.shape[0], w.shape[2], dtype=torch.float32, device=rows.device)
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        out[start:end] = rows[start:end].float() @ w[e].float()
+        start = end
+    return out
+
+
+def _loop_grads(rows, w, offs, g):
+    r = rows.detach().float().requires_grad_()
+    wf = w.detach().float().requires_grad_()
+    (_loop(r, wf, offs) * g.float()).sum().backward()
+    return r.grad, wf.grad
+
+
+CASES = [  # (group sizes, spare rows past the last offset, K, M)
+    ([5, 0, 17, 9], 0, 32, 48),  # an empty expert
+    ([1], 0, 8, 8),  # one row
+    ([0, 64, 0], 7, 16, 24),  # one expert takes all, a tail
+    ([33, 30, 1, 0, 63], 3, 64, 16),
+]
+
+
+@pytest.mark.parametrize("counts,spare,k,m", CASES)
+def test_bf16_forward_and_grads(counts, spare, k, m):
+    n = sum(counts) + spare
+    rows = torch.randn(n, k, device=DEV).bfloat16().requires_grad_()
+    w = (torch.randn(len(counts), k, m, device=DEV) / k**0.5).bfloat16().requires_grad_()
+    offs = _offsets(counts)
+    out = qmoe.grouped_mm(rows, w, offs)
+    assert out.shape == (n, m) and out.dtype == torch.bfloat16
+    want = _loop(rows, w, offs)
+    assert sqnr_db(want, out.float()) > BF16_FLOOR
+    assert (out[sum(counts):] == 0).all()
+    g = torch.randn(n, m, device=DEV).bfloat16()
+    out.backward(g)
+    gr, gw = _loop_grads(rows, w, offs, g)
+    assert sqnr_db(gr, rows.grad.float()) > BF16_FLOOR
+    assert (rows.grad[sum(counts):] == 0).all()
+    for e, c in enumerate(counts):  # an empty group's weight gradient is exactly zero
+        if c == 0:
+            assert (w.grad[e] == 0).all()
+    assert sqnr_db(gw, w.grad.float()) > BF16_FLOOR
+
+
+@pytest.mark.parametrize("recipe", [qmoe.PerTensor(), qmoe.Blockwise(block_size=32),
+                                    qmoe.MXFP8()])
+def test_quantized_rows_off_hopper_are_dequantized(recipe):
+    """Off Hopper (and for blockwise / MX rows everywhere) quantized rows are dequantized
+    and run the bf16 path: bit for bit what the dequantized rows give; the gradient flows
+    to the quantized input through the dequantization."""
+    if HOPPER and isinstance(recipe, qmoe.PerTensor):
+        pytest.skip("per-tensor rows run the FP8 path on Hopper (test_fp8_rowwise_path)")
+    counts, k, m = [7, 0, 20], 64, 32
+    x = torch.randn(sum(counts), k, device=DEV, requires_grad=True)
+    q = qmoe.quantize(x.bfloat16(), recipe)
+    w = (torch.randn(3, k, m, device=DEV) / 8).bfloat16()
+    offs = _offsets(counts)
+    got = qmoe.grouped_mm(q, w, offs)
+    assert_same_bits(got, qmoe.grouped_mm(q.dequantize(torch.bfloat16), w, offs))
+    got.float().sum().backward()
+    assert x.grad is not None and x.grad.shape == x.shape
+
+
+@pytest.mark.skipif(not HOPPER, reason="the FP8 grouped GEMM runs on compute capability 9.x")
+@pytest.mark.parametrize("recipe", [qmoe.PerTensor(), qmoe.Blockwise(block_size=128)])
+@pytest.mark.parametrize("counts", [[100, 0, 37, 256], [64, 64]])
+def test_fp8_rowwise_path(recipe, counts):
+    """Row-wise FP8 rows (per-tensor, or one 128-column block per row at K = 128) through
+    torch._scaled_grouped_mm: forward, input and weight gradients above the FP8 floor
+    against the fp32 loop of the unquantized values."""
+    k, m = 128, 256
+    n = sum(counts) + 5
+    x = torch.randn(n, k, device=DEV)
+    w = (torch.randn(len(counts), k, m, device=DEV) / k**0.5).bfloat16().requires_grad_()
+    offs = _offsets(counts)
+    xq = x.bfloat16().requires_grad_()
+    q = qmoe.quantize(xq, recipe)
+    out = qmoe.grouped_mm(q, w, offs)
+    assert out.dtype == torch.bfloat16
+    want = _loop(x, w, offs)
+    assert sqnr_db(want, out.float()) > FP8_FLOOR
+    assert (out[sum(counts):] == 0).all()
+    g = torch.randn(n, m, device=DEV).bfloat16()
+    out.backward(g)
+    gr, gw = _loop_grads(x, w, offs, g)
+    assert sqnr_db(gr, xq.grad.float()) > FP8_FLOOR
+    assert sqnr_db(gw, w.grad.float()) > FP8_FLOOR
+
+
+def test_end_to_end_pad_variant_with_fused_quantize():
+    """``moe_permute_and_pad_with_probs(..., quantize=PerTensor())`` (groups padded to 16,
+    sync-free N), its counts and offsets, the grouped GEMM, the merge: against the fp64 sum
+    over kept routes of ``prob * x[t] @ w[e]`` (the FP8 floor: the rows are e4m3)."""
+    t, e, k, h, m, align = 96, 8, 2, 64, 32, 16
+    ids = torch.rand(t, e, device=DEV).argsort(1)[:, :k]
+    mask = torch.zeros(t, e, dtype=torch.bool, device=DEV).scatter_(1, ids, True)
+    probs = torch.rand(t, e, device=DEV) * mask
+    x = torch.randn(t, h, device=DEV).bfloat16()
+    w = (torch.randn(e, h, m, device=DEV) / h**0.5).bfloat16()
+    n = t * k + e * (align - 1)
+    n = (n + align - 1) // align * align
+    rows, _, rid, _, _ = qmoe.moe_permute_and_pad_with_probs(
+        x, probs, mask, None, align, num_out_tokens=n, quantize=qmoe.PerTensor())
+    offs = qmoe.expert_offsets(qmoe.tokens_per_expert(mask, n, align_size=align))
+    assert (offs.diff(prepend=offs.new_zeros(1)) % align == 0).all()
+    y = qmoe.grouped_mm(rows, w, offs)
+    merged = qmoe.moe_unpermute(y, rid, probs)
+    want = torch.einsum("te,th,ehm->tm", probs.double(), x.double(), w.double())
+    assert sqnr_db(want, merged.double()) > FP8_FLOOR
+
+
+def test_compile_fullgraph_matches_eager():
+    counts, k, m = [9, 0, 23], 16, 24
+    rows0 = torch.randn(sum(counts) + 2, k, device=DEV).bfloat16()
+    w0 = torch.randn(3, k, m, device=DEV).bfloat16()
+    offs = _offsets(counts)
+
+    def run(fn):
+        rows, w = rows0.clone().requires_grad_(), w0.clone().requires_grad_()
+        out = fn(rows, w, offs)
+        out.float().square().sum().backward()
+        return out, rows.grad, w.grad
+
+    torch._dynamo.reset()
+    got = run(torch.compile(qmoe.grouped_mm, fullgraph=True))
+    want = run(qmoe.grouped_mm)
+    for a, b in zip(got, want):
+        assert_same_bits(a, b)
+
+
+def _bad_calls():
+    r = torch.randn(10, 16, device=DEV).bfloat16()
+    w = torch.randn(2, 16, 8, device=DEV).bfloat16()
+    o = _offsets([4, 6])
+    return [
+        ((r[0], w, o), ValueError, "rows must be a 2-D"),
+        ((r, w[0], o), ValueError, "weight must be a 3-D"),
+        ((r, w.half(), o), TypeError, "weight must be bf16"),
+        ((r[:, :8], w, o), ValueError, "the rows' width must be the weights' K"),
+        ((r, w, o.long()), TypeError, "offsets must be int32"),
+        ((r, w, _offsets([4])), TypeError, r"offsets must be int32 \[E\] = \[2\]"),
+        ((r[:, :12], torch.randn(2, 12, 8, device=DEV).bfloat16(), o), ValueError,
+         "multiples of 8"),
+    ]
+
+
+@pytest.mark.parametrize("i", range(7))
+def test_bad_input(i):
+    args, exc, match = _bad_calls()[i]
+    with pytest.raises(exc, match=match):
+        qmoe.grouped_mm(*args)
+
+
+@pytest.mark.skipif(DEV != "cpu", reason="on CUDA the offsets check is an async assert")
+def test_offsets_past_the_rows_raise():
+    """The offsets a framework team once passed (ending at 200 for 163 rows) raise instead
+    of reading past the rows; so do falling offsets."""
+    r = torch.randn(163, 16).bfloat16()
+    w = torch.randn(2, 16, 8).bfloat16()
+    for offs in ([100, 200], [100, 50], [-1, 100]):
+        with pytest.raises(ValueError, match="offsets must rise from >= 0 to at most N=163"):
+            qmoe.grouped_mm(r, w, torch.tensor(offs, dtype=torch.int32))
