@@ -411,10 +411,73 @@ def compile_fp8_main(a) -> None:
                            "results": rows})
 
 
+# --- bench grouped_mm ------------------------------------------------------------------
+
+GEMM_SHAPES = {  # name: (routed rows, local experts, hidden, expert FFN width)
+    "dsv3_ep8": (32768, 32, 7168, 2048),  # DeepSeek-V3 per rank after 8-way EP
+    "qwen3": (65536, 128, 4096, 1536),  # T 8192 x K 8 over E 128
+}
+
+
+def grouped_mm_args(p) -> None:
+    p.add_argument("--shapes", default=",".join(GEMM_SHAPES))
+    p.add_argument("--out", default=None)
+
+
+def grouped_mm_main(a) -> None:
+    """The expert GEMMs of a MoE layer through ``qmoe.grouped_mm``, bf16 and FP8 side by
+    side (issue: FP8 expert GEMMs).
+
+        python -m benchmarks bench grouped_mm [--shapes dsv3_ep8,qwen3] [--out gmm.json]
+
+    Per shape: the gate-up GEMM (``[rows, H] x [E, H, 2F]``) and the down GEMM (``[rows,
+    F] x [E, F, H]``), rows spread evenly over the experts; bf16 rows, and per-tensor e4m3
+    rows (the FP8 row-wise path on Hopper; the weights quantized in the call). Times:
+    forward, and forward + backward (input and weight gradients), each the median of
+    ``do_bench`` (GPU time, eager; the quantization of the rows is not timed, the
+    weights' is); TFLOP/s counts 2 * rows * K * M per GEMM (three GEMMs for fwd + bwd).
+    """
+    if not torch.cuda.is_available():
+        print("bench grouped_mm: needs CUDA, skipped")
+        return
+    rows_out = []
+    for name in a.shapes.split(","):
+        n, e, h, f = GEMM_SHAPES[name]
+        offs = qmoe.expert_offsets(torch.full((e,), n // e, dtype=torch.int32,
+                                              device="cuda"))
+        for gemm, (k, m) in {"gate_up": (h, 2 * f), "down": (f, h)}.items():
+            w = (torch.randn(e, k, m, device="cuda") / k**0.5).bfloat16().requires_grad_()
+            x = torch.randn(n, k, device="cuda").bfloat16()
+            g = torch.randn(n, m, device="cuda").bfloat16()
+            flop = 2 * n * k * m
+            for mode in ("bf16", "fp8"):
+                xg = x.clone().requires_grad_()
+                # the rows as the GEMM gets them, differentiable (FP8: a quantize's output)
+                rows = xg if mode == "bf16" else qmoe.quantize(xg, qmoe.PerTensor())
+
+                def fwd(rows=rows, w=w, offs=offs):
+                    with torch.no_grad():
+                        qmoe.grouped_mm(rows, w, offs)
+
+                def fwd_bwd(rows=rows, w=w, offs=offs, g=g):
+                    torch.autograd.grad(qmoe.grouped_mm(rows, w, offs), (rows, w), g)
+
+                ms_f = median_ms(fwd)
+                ms_fb = median_ms(fwd_bwd)
+                r = {"shape": name, "gemm": gemm, "rows": n, "E": e, "K": k, "M": m,
+                     "mode": mode, "fwd_ms": round(ms_f, 4), "fwd_bwd_ms": round(ms_fb, 4),
+                     "fwd_TFLOPs": round(flop / ms_f / 1e9, 1),
+                     "fwd_bwd_TFLOPs": round(3 * flop / ms_fb / 1e9, 1)}
+                rows_out.append(r)
+                print(r, file=sys.stderr, flush=True)
+    write_json(a.out, {"bench": "grouped_mm", "env": env_info(), "results": rows_out})
+
+
 COMMANDS = {  # name: (add its options to a parser, run it on the parsed options)
     "permute": (permute_args, permute_main),
     "quantize": (quantize_args, quantize_main),
     "compile_fp8": (compile_fp8_args, compile_fp8_main),
+    "grouped_mm": (grouped_mm_args, grouped_mm_main),
 }
 
 # --- table -----------------------------------------------------------------------------
