@@ -296,13 +296,6 @@ inline void check_col(int32_t c, int64_t p, int64_t t) {
               "these probs' routing");
 }
 
-float weight_at(const Tensor& w, int64_t t, int64_t c) {
-  check_col(static_cast<int32_t>(c), w.size(1), t);
-  return AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, w.scalar_type(), "w", [&] {
-    return static_cast<float>(w.data_ptr<scalar_t>()[t * w.stride(0) + c * w.stride(1)]);
-  });
-}
-
 // d = bf16(float(src) * w) over a row: widen (exact), multiply, round to nearest even
 // (NaN -> 0x7FC0), c10::BFloat16's conversions written as an integer loop that vectorizes.
 __attribute__((target_clones("avx2", "default"))) void scale_bf16_row(
@@ -346,13 +339,18 @@ Tensor permute_rows(const Tensor& inp, const Tensor& rid, int64_t n,
       if (stream) stream_fence();
     });
   } else {
-    const Tensor& w = *weights;
+    // the weights as fp32 once ([T, P], small): each route then reads one float (fp64
+    // weights round to fp32 here, as every merge reads them)
+    const Tensor wf = weights->to(at::kFloat).contiguous();
+    const float* wp = wf.data_ptr<float>();
+    const int64_t p = wf.size(1);
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "permute_w", [&] {
       for_each_route(rid, [&](int64_t t, const int32_t* dst, const int32_t* col, int32_t cnt) {
         const scalar_t* src = reinterpret_cast<const scalar_t*>(xp + t * xs);
         for (int32_t s = 0; s < cnt; ++s) {
           TORCH_CHECK_VALUE(dst[s] >= 0 && dst[s] < n, "qmoe::permute: row_id_map row out of range");
-          const float wv = weight_at(w, t, col[s]);
+          check_col(col[s], p, t);
+          const float wv = wp[t * p + col[s]];
           scalar_t* d = reinterpret_cast<scalar_t*>(o + dst[s] * rb);
           if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
             scale_bf16_row(reinterpret_cast<const uint16_t*>(src), wv,
@@ -472,6 +470,10 @@ Tensor merge(const Tensor& rid, int64_t h, int64_t nrows, const c10::optional<Te
   out_t* o = out.data_ptr<out_t>();
   const int64_t s_ = slots_of(rid), width = 2 * s_ + 1;
   const int32_t* m = rid.data_ptr<int32_t>();
+  // the weights as fp32 once ([T, P], small; fp64 ones rounded to fp32)
+  const Tensor wf = w.has_value() ? w->to(at::kFloat).contiguous() : Tensor();
+  const float* wp = w.has_value() ? wf.data_ptr<float>() : nullptr;
+  const int64_t p = w.has_value() ? wf.size(1) : 0;
   at::parallel_for(0, t, 16, [&](int64_t b, int64_t e) {
     std::vector<float> acc(h), v(h), wts(s_);
     for (int64_t i = b; i < e; ++i) {
@@ -482,7 +484,8 @@ Tensor merge(const Tensor& rid, int64_t h, int64_t nrows, const c10::optional<Te
       for (int32_t s = 0; s < cnt; ++s) {
         TORCH_CHECK_VALUE(dst[s] >= 0 && dst[s] < nrows, "qmoe: row_id_map row ", dst[s],
                     " out of range for an input of ", nrows, " rows");
-        wts[s] = w.has_value() ? weight_at(*w, i, col[s]) : 1.f;
+        if (wp != nullptr) check_col(col[s], p, i);
+        wts[s] = wp != nullptr ? wp[i * p + col[s]] : 1.f;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t lo = 0; lo < h; lo += kMergeCols) {
