@@ -60,6 +60,7 @@ def _(inp, row_id_map, probs, num_out_tokens, fill=None):
 
 def _permute_setup(ctx, inputs, output):
     inp, row_id_map, probs = inputs[:3]
+    ctx.set_materialize_grads(False)  # (permute_grads takes None for an unused output)
     ctx.save_for_backward(row_id_map)
     ctx.probs_meta = None if probs is None else (tuple(probs.shape), probs.dtype)
 

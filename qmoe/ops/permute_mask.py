@@ -72,6 +72,7 @@ def fused_permute_setup(ctx, inputs, output):
     """Autograd setup of the fused permutes (``permute_mask``, ``permute_index``): the map
     (output 3) and the probs' shape and dtype."""
     probs = inputs[2]
+    ctx.set_materialize_grads(False)  # (permute_grads takes None for an unused output)
     ctx.save_for_backward(output[3])
     ctx.probs_meta = None if probs is None else (tuple(probs.shape), probs.dtype)
 

@@ -429,8 +429,16 @@ def permute_grads(rid, grad_out, grad_probs, probs_meta):
     """``(grad of inp [T, H], grad of probs [T, P] or None)`` of a permute by ``rid`` (the
     merge of the rows' gradient: every permute's backward, fused or not; with the probs'
     gradient, one ``qmoe::permute_backward``); ``probs_meta``: ``(probs shape, dtype)``, or
-    None without probs."""
-    if probs_meta is not None and grad_probs is not None:
+    None without probs. ``grad_out`` / ``grad_probs`` may be None (an output unused): the
+    permute setups turn off autograd's zero-filled gradients, which cost a fill launch each
+    (the routing map's included)."""
+    has_gp = probs_meta is not None and grad_probs is not None
+    if grad_out is None:  # (setups turn off materialized zero gradients: only probs used)
+        if not has_gp:
+            return None, None
+        (t, p), dtype = probs_meta
+        return None, probs_grad(rid, grad_probs, t, p, dtype)
+    if has_gp:
         (_, p), dtype = probs_meta
         return _permute_backward_op(grad_out.contiguous(), rid, grad_probs, p, dtype)
     return _unpermute(grad_out.contiguous(), rid, None), None

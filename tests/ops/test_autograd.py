@@ -227,3 +227,29 @@ def test_permute_with_probs_double_backward(map_type):
     want, want_p, _ = qmoe.moe_permute_with_probs(u, v, rm, num_out_tokens=n,
                                                   map_type=map_type)
     assert torch.equal(dg, want) and torch.equal(dgq, want_p)
+
+
+@pytest.mark.parametrize("map_type", ["mask", "index"])
+def test_permute_gradients_with_an_output_unused(map_type):
+    """Only the rows, or only the permuted probs, reach the loss (autograd passes None for
+    the other: no zero-filled gradient is made): each input's gradient is what the full
+    loss gives for its part, the unused side's gradient absent or zero."""
+    t, h, e, k = 13, 7, 5, 2
+    ids, mask = routing(t, e, k, "sentinels", DEV)
+    rm = mask if map_type == "mask" else ids
+    n = int(mask.sum())
+    x = torch.randn(t, h, device=DEV, requires_grad=True)
+    p = torch.rand(t, rm.shape[1], device=DEV, requires_grad=True)
+    w_rows = torch.randn(n, h, device=DEV)
+    w_pp = torch.randn(n, device=DEV)
+    out, pp, _ = qmoe.moe_permute_with_probs(x, p, rm, num_out_tokens=n, map_type=map_type)
+    gx_full, gp_full = torch.autograd.grad((out * w_rows).sum() + (pp * w_pp).sum(), (x, p))
+    for use_rows in (True, False):
+        out, pp, _ = qmoe.moe_permute_with_probs(x, p, rm, num_out_tokens=n,
+                                                 map_type=map_type)
+        loss = (out * w_rows).sum() if use_rows else (pp * w_pp).sum()
+        gx, gp = torch.autograd.grad(loss, (x, p), allow_unused=True)
+        if use_rows:
+            assert torch.equal(gx, gx_full) and (gp is None or (gp == 0).all())
+        else:
+            assert torch.equal(gp, gp_full) and (gx is None or (gx == 0).all())
