@@ -213,15 +213,18 @@ def to_torchao(t: torch.Tensor, cls: type, **kwargs: Any) -> torch.Tensor:
                         kwargs.get("act_quant_kwargs"), False)
     if isinstance(t, MXFP8Tensor):
         raise ValueError(f"to_torchao: an MXFP8Tensor maps onto MXTensor only, not {cls.__name__}")
-    if isinstance(t, Float8BlockwiseTensor) and h % t.block_size:
+    # one block over the row (qmoe.RowWise: block_size = next_pow2(H) >= H) is torchao's
+    # per-row block [1, H]
+    bs = None if isinstance(t, Float8Tensor) else min(t.block_size, h)
+    if bs is not None and h % bs:
         raise ValueError(f"to_torchao: block_size={t.block_size} does not tile H={h}; torchao "
                          "needs whole blocks")
     if cls is AOFloat8Tensor:
         if isinstance(t, Float8Tensor):
             return AOFloat8Tensor(t.qdata, t.scale.reshape(1, 1), block_size=[tt, h],
                                   dtype=t.orig_dtype, **kwargs)
-        return AOFloat8Tensor(t.qdata, t.scale, block_size=[1, t.block_size],
-                              dtype=t.orig_dtype, **kwargs)
+        return AOFloat8Tensor(t.qdata, t.scale, block_size=[1, bs], dtype=t.orig_dtype,
+                              **kwargs)
     if cls is Float8TrainingTensor:
         from torchao.float8.float8_training_tensor import GemmInputRole, LinearMMConfig
 
@@ -229,7 +232,7 @@ def to_torchao(t: torch.Tensor, cls: type, **kwargs: Any) -> torch.Tensor:
         role = kwargs.get("gemm_input_role", GemmInputRole.INPUT)
         if isinstance(t, Float8Tensor):
             return Float8TrainingTensor(t.qdata, t.scale.reciprocal(), t.orig_dtype, mm, role)
-        if t.block_size != h:
+        if bs != h:
             raise ValueError(f"to_torchao: Float8TrainingTensor takes per-row scales (one block "
                              f"of H={h}), got block_size={t.block_size}")
         return Float8TrainingTensor(t.qdata, t.scale.reciprocal(), t.orig_dtype, mm, role, -1)

@@ -32,7 +32,7 @@ from qmoe.tensors.quantize import (
     recipe_scale_mode,
     scale_dtype,
 )
-from qmoe.tensors.recipes import MXFP8, Blockwise, PerTensor, Recipe
+from qmoe.tensors.recipes import MXFP8, Blockwise, PerTensor, Recipe, RowWise, block_size_of
 from qmoe.tensors.types import Float8BlockwiseTensor, Float8Tensor, MXFP8Tensor
 
 ops = torch.ops.qmoe
@@ -165,7 +165,7 @@ class _QuantizePermute(torch.autograd.Function):
             s = per_tensor_scale(x, recipe) if scale is None else scale.float().reshape(())
             mode, bs = "given", 0
         else:
-            s, mode, bs = None, recipe_scale_mode(recipe), recipe.block_size
+            s, mode, bs = None, recipe_scale_mode(recipe), block_size_of(recipe, x.shape[-1])
         args = (n, bs, recipe.fp8_dtype, mode, s)
         if _map_in_launch(x, is_index, n):
             q, s_out, pp, rid = ops.quantize_permute_mask(x, routing_map, probs, n,
@@ -181,7 +181,7 @@ class _QuantizePermute(torch.autograd.Function):
         elif isinstance(recipe, MXFP8):
             out = MXFP8Tensor(q, s_out, x.dtype)
         else:
-            out = Float8BlockwiseTensor(q, s_out, x.dtype, recipe.block_size)
+            out = Float8BlockwiseTensor(q, s_out, x.dtype, bs)
         return out, pp, rid
 
     @staticmethod
@@ -198,9 +198,11 @@ def quantize_and_permute(fn: str, x, probs, routing_map, is_index: bool, align_s
     if isinstance(x, QuantizedTensor) or type(x).__module__.startswith("torchao"):
         raise TypeError(f"{fn}: inp is already quantized ({type(x).__name__}); pass it "
                         "without quantize=, or pass the high-precision tokens")
-    if not isinstance(recipe, (PerTensor, Blockwise, MXFP8)):
-        raise TypeError(f"{fn}: quantize must be qmoe.PerTensor(), qmoe.Blockwise() or "
-                        f"qmoe.MXFP8(), got {recipe!r}")
+    if not isinstance(recipe, (PerTensor, Blockwise, RowWise, MXFP8)):
+        raise TypeError(f"{fn}: quantize must be qmoe.PerTensor(), qmoe.Blockwise(), "
+                        f"qmoe.RowWise() or qmoe.MXFP8(), got {recipe!r}")
+    if isinstance(recipe, RowWise):
+        block_size_of(recipe, x.shape[-1])  # (a row too wide raises here, by name)
     if scale is not None:
         if not isinstance(recipe, PerTensor):
             raise ValueError(f"{fn}: quantize_scale is only accepted with the PerTensor recipe")

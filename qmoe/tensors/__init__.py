@@ -11,7 +11,7 @@ from qmoe.tensors.base import (
     unregister_passthrough,
 )
 from qmoe.tensors.quantize import dequantize, quantize, quantize_reference
-from qmoe.tensors.recipes import MXFP8, Blockwise, PerTensor, Recipe
+from qmoe.tensors.recipes import MXFP8, Blockwise, PerTensor, Recipe, RowWise
 from qmoe.tensors.types import Float8BlockwiseTensor, Float8Tensor, MXFP8Tensor
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "MXFP8Tensor",
     "PerTensor",
     "Blockwise",
+    "RowWise",
     "MXFP8",
     "Recipe",
     "quantize",

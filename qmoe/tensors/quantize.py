@@ -36,7 +36,15 @@ from qmoe.tensors.layouts import (
     emax_elem,
     scale_dtype,
 )
-from qmoe.tensors.recipes import MXFP8, Blockwise, PerTensor, Recipe, fp8_max
+from qmoe.tensors.recipes import (
+    MXFP8,
+    Blockwise,
+    PerTensor,
+    Recipe,
+    RowWise,
+    block_size_of,
+    fp8_max,
+)
 from qmoe.tensors.tuning import PER_TENSOR_BLOCK
 from qmoe.tensors.types import Float8BlockwiseTensor, Float8Tensor, MXFP8Tensor
 
@@ -149,7 +157,8 @@ def quantize_reference(x: torch.Tensor, recipe: Recipe, scale: torch.Tensor | No
     if isinstance(recipe, PerTensor):
         s = per_tensor_scale(x, recipe) if scale is None else scale.float()
         return _saturate_cast(x.float() / s, recipe.fp8_dtype), s
-    q, s = _reference_blocks(x, recipe.block_size, recipe.fp8_dtype, recipe_scale_mode(recipe))
+    q, s = _reference_blocks(x, block_size_of(recipe, x.shape[-1]), recipe.fp8_dtype,
+                             recipe_scale_mode(recipe))
     return q, s.view(torch.float8_e8m0fnu) if isinstance(recipe, MXFP8) else s
 
 
@@ -229,7 +238,8 @@ def _(x, scale, fp8_dtype):
 
 
 def recipe_scale_mode(recipe: Recipe) -> str:
-    """The ``scale_mode`` (a key of ``SCALE_MODES``) of a block recipe."""
+    """The ``scale_mode`` (a key of ``SCALE_MODES``) of a block recipe (``Blockwise``,
+    ``RowWise``, ``MXFP8``)."""
     if isinstance(recipe, MXFP8):
         return "mx_" + recipe.scale_rounding
     return "pow2" if recipe.power_of_two_scale else "amax"
@@ -246,12 +256,12 @@ class _Quantize(torch.autograd.Function):
                 scale.detach().float().reshape(()).clone())
             q = torch.ops.qmoe.quantize_with_scale(x, s, recipe.fp8_dtype)
             return Float8Tensor(q, s, x.dtype)
-        q, s = torch.ops.qmoe.quantize_blocks(
-            x, recipe.block_size, recipe.fp8_dtype, recipe_scale_mode(recipe)
-        )
+        bs = block_size_of(recipe, x.shape[-1])
+        q, s = torch.ops.qmoe.quantize_blocks(x, bs, recipe.fp8_dtype,
+                                              recipe_scale_mode(recipe))
         if isinstance(recipe, MXFP8):
             return MXFP8Tensor(q, s, x.dtype)
-        return Float8BlockwiseTensor(q, s, x.dtype, recipe.block_size)
+        return Float8BlockwiseTensor(q, s, x.dtype, bs)
 
     @staticmethod
     def backward(ctx, grad):
@@ -264,9 +274,10 @@ def quantize(
     """Quantize ``x`` ``[..., H]`` (fp32 / bf16 / fp16) with ``recipe``.
 
     Returns a :class:`Float8Tensor` (``PerTensor``), :class:`Float8BlockwiseTensor`
-    (``Blockwise``) or :class:`MXFP8Tensor` (``MXFP8``) whose ``orig_dtype`` is
-    ``x.dtype``. ``scale`` (``PerTensor`` only): a caller-given one-element scale (any
-    shape), e.g. from delayed scaling, which skips the amax pass. No host sync.
+    (``Blockwise``; ``RowWise``, one block of ``next_pow2(H)`` per row) or
+    :class:`MXFP8Tensor` (``MXFP8``) whose ``orig_dtype`` is ``x.dtype``. ``scale``
+    (``PerTensor`` only): a caller-given one-element scale (any shape), e.g. from delayed
+    scaling, which skips the amax pass. No host sync.
     Differentiable: the backward passes the gradient straight through to ``x``.
     """
     if not isinstance(x, torch.Tensor):
@@ -278,11 +289,13 @@ def quantize(
         raise TypeError(f"quantize: x must be float32, bfloat16 or float16, got {x.dtype}")
     if x.dim() == 0:
         raise ValueError("quantize: x must have at least one dim [..., H], got a scalar")
-    if not isinstance(recipe, (PerTensor, Blockwise, MXFP8)):
+    if not isinstance(recipe, (PerTensor, Blockwise, RowWise, MXFP8)):
         raise TypeError(
-            "quantize: recipe must be qmoe.PerTensor(), qmoe.Blockwise() or qmoe.MXFP8(), "
-            f"got {recipe!r}"
+            "quantize: recipe must be qmoe.PerTensor(), qmoe.Blockwise(), qmoe.RowWise() or "
+            f"qmoe.MXFP8(), got {recipe!r}"
         )
+    if isinstance(recipe, RowWise):
+        block_size_of(recipe, x.shape[-1])  # (a row too wide raises here, by name)
     if scale is not None:
         if not isinstance(recipe, PerTensor):
             raise ValueError("quantize: scale= is only accepted with the PerTensor recipe")

@@ -6,14 +6,16 @@ from dataclasses import dataclass
 
 import torch
 
+from qmoe._intmath import next_pow2
 from qmoe.tensors.layouts import (
     BLOCKWISE_BLOCK_SIZE,
     BLOCKWISE_BLOCK_SIZES,
     FP8_DTYPES,
     MX_BLOCK_SIZE,
+    OP_BLOCK_SIZES,
 )
 
-__all__ = ["PerTensor", "Blockwise", "MXFP8", "Recipe", "fp8_max"]
+__all__ = ["PerTensor", "Blockwise", "RowWise", "MXFP8", "Recipe", "fp8_max", "block_size_of"]
 
 
 def fp8_max(fp8_dtype: torch.dtype) -> float:
@@ -73,6 +75,26 @@ class Blockwise:
 
 
 @dataclass(frozen=True)
+class RowWise:
+    """One fp32 scale per row: ``scale = max(amax_row, 1e-12) / fp8_max``, optionally
+    rounded up to a power of two: the layout of Hopper's row-wise FP8 GEMMs
+    (``torch._scaled_grouped_mm``; ``qmoe.grouped_mm`` takes such rows as they are).
+
+    The quantized tensor is a ``Float8BlockwiseTensor`` whose one block spans the row:
+    ``block_size = next_pow2(H)`` (``block_size_of``), scales ``[..., 1]``; so every op
+    that moves blockwise rows moves these. Rows up to ``OP_BLOCK_SIZES``' bound (4096
+    columns) for now.
+    """
+
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn
+    power_of_two_scale: bool = False
+
+    def __post_init__(self) -> None:
+        _check_fp8("RowWise", self.fp8_dtype)
+        _check_pow2("RowWise", self.power_of_two_scale)
+
+
+@dataclass(frozen=True)
 class MXFP8:
     """OCP MX v1.0 FP8: one e8m0 scale per 1 x 32 block.
 
@@ -115,4 +137,18 @@ class MXFP8:
             )
 
 
-Recipe = PerTensor | Blockwise | MXFP8
+Recipe = PerTensor | Blockwise | RowWise | MXFP8
+
+
+def block_size_of(recipe: Blockwise | RowWise | MXFP8, h: int) -> int:
+    """The scale block of a block recipe for rows of ``h`` columns: ``Blockwise``'s
+    ``block_size``, MX's 32, ``RowWise``'s one block over the row, ``next_pow2(h)``
+    (a ``ValueError`` past ``OP_BLOCK_SIZES``' bound)."""
+    if not isinstance(recipe, RowWise):
+        return recipe.block_size
+    bs = next_pow2(max(h, 1))
+    if bs > OP_BLOCK_SIZES[1]:
+        raise ValueError(f"RowWise: rows of H={h} columns are wider than the {OP_BLOCK_SIZES[1]} "
+                         "a row-wise scale covers for now; use qmoe.Blockwise() or "
+                         "qmoe.PerTensor() for this width")
+    return bs

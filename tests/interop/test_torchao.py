@@ -378,3 +378,21 @@ def test_first_eager_call_loads_the_rules():
     r = subprocess.run([sys.executable, "-c", _FIRST_CALL_CHILD], capture_output=True,
                        text=True, timeout=300, cwd=Path(__file__).parents[2])
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("h", [300, 256])
+def test_rowwise_rows_convert_as_per_row(h):
+    """``qmoe.RowWise`` rows (one block of ``next_pow2(H)`` over each row) are torchao's
+    per-row layout: ``Float8Tensor`` with block ``[1, H]`` and ``Float8TrainingTensor``
+    (row-wise, ``1 / scale``); back from them, a ``Float8BlockwiseTensor`` with one block
+    of H, dequantizing to the same values."""
+    x = torch.randn(8, h, dtype=torch.bfloat16)
+    q = qmoe.quantize(x, qmoe.RowWise())
+    for cls in (AOFloat8Tensor, Float8TrainingTensor):
+        t = qmoe.to_torchao(q, cls)
+        if cls is AOFloat8Tensor:
+            assert list(t.block_size) == [1, h]
+            assert torch.equal(t.dequantize(), q.dequantize())
+        back = qmoe.from_torchao(t)
+        assert back.block_size == h and torch.equal(back.dequantize(), q.dequantize())
+        assert_same_bits(back.qdata, q.qdata)

@@ -89,10 +89,11 @@ def test_quantized_rows_off_hopper_are_dequantized(recipe):
 
 
 @pytest.mark.skipif(not HOPPER, reason="the FP8 grouped GEMM runs on compute capability 9.x")
-@pytest.mark.parametrize("recipe", [qmoe.PerTensor(), qmoe.Blockwise(block_size=128)])
+@pytest.mark.parametrize("recipe", [qmoe.PerTensor(), qmoe.RowWise(),
+                                    qmoe.Blockwise(block_size=128)])
 @pytest.mark.parametrize("counts", [[100, 0, 37, 256], [64, 64]])
 def test_fp8_rowwise_path(recipe, counts):
-    """Row-wise FP8 rows (per-tensor, or one 128-column block per row at K = 128) through
+    """Row-wise FP8 rows (per-tensor, RowWise, or one 128-column block per row at K = 128) through
     torch._scaled_grouped_mm: forward, input and weight gradients above the FP8 floor
     against the fp32 loop of the unquantized values."""
     k, m = 128, 256
@@ -114,8 +115,9 @@ def test_fp8_rowwise_path(recipe, counts):
     assert sqnr_db(gw, w.grad.float()) > FP8_FLOOR
 
 
-def test_end_to_end_pad_variant_with_fused_quantize():
-    """``moe_permute_and_pad_with_probs(..., quantize=PerTensor())`` (groups padded to 16,
+@pytest.mark.parametrize("recipe", [qmoe.RowWise(), qmoe.PerTensor()])
+def test_end_to_end_pad_variant_with_fused_quantize(recipe):
+    """``moe_permute_and_pad_with_probs(..., quantize=recipe)`` (groups padded to 16,
     sync-free N), its counts and offsets, the grouped GEMM, the merge: against the fp64 sum
     over kept routes of ``prob * x[t] @ w[e]`` (the FP8 floor: the rows are e4m3)."""
     t, e, k, h, m, align = 96, 8, 2, 64, 32, 16
@@ -127,7 +129,7 @@ def test_end_to_end_pad_variant_with_fused_quantize():
     n = t * k + e * (align - 1)
     n = (n + align - 1) // align * align
     rows, _, rid, _, _ = qmoe.moe_permute_and_pad_with_probs(
-        x, probs, mask, None, align, num_out_tokens=n, quantize=qmoe.PerTensor())
+        x, probs, mask, None, align, num_out_tokens=n, quantize=recipe)
     offs = qmoe.expert_offsets(qmoe.tokens_per_expert(mask, n, align_size=align))
     assert (offs.diff(prepend=offs.new_zeros(1)) % align == 0).all()
     y = qmoe.grouped_mm(rows, w, offs)

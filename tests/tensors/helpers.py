@@ -12,7 +12,20 @@ RECIPES = {
     "mx-e4m3": qmoe.MXFP8(),
     "mx-e5m2": qmoe.MXFP8(torch.float8_e5m2),
     "mx-rceil-e4m3": qmoe.MXFP8(scale_rounding="rceil"),
+    "rowwise-e4m3": qmoe.RowWise(),
+    "rowwise-e5m2-pow2": qmoe.RowWise(torch.float8_e5m2, power_of_two_scale=True),
 }
+
+
+def skip_wide_rowwise(recipe, h: int) -> None:
+    """Skip a case of rows wider than ``RowWise`` covers (4096 columns; its refusal is
+    tested in tests/tensors/test_quantize.py)."""
+    import pytest
+
+    if isinstance(recipe, qmoe.RowWise) and h > 4096:
+        pytest.skip(f"RowWise covers rows of up to 4096 columns, not H={h}")
+
+
 # One recipe per layout, for the tests where the fp8 dtype is not the point.
 LAYOUTS = {k: RECIPES[k] for k in ("pertensor-e4m3", "blockwise-e4m3", "mx-e4m3")}
 

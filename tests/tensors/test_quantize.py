@@ -41,6 +41,10 @@ def _expected_dequant(q) -> torch.Tensor:
 def test_layout_and_dequantize(name, h):
     recipe = RECIPES[name]
     x = torch.randn(3, 5, h, dtype=torch.bfloat16)
+    if isinstance(recipe, qmoe.RowWise) and h > 4096:
+        with pytest.raises(ValueError, match="wider than the 4096 a row-wise scale covers"):
+            qmoe.quantize(x, recipe)
+        return
     q = qmoe.quantize(x, recipe)
     assert q.shape == x.shape and q.dtype == x.dtype and q.orig_dtype == torch.bfloat16
     assert q.qdata.dtype == recipe.fp8_dtype and q.qdata.shape == x.shape
@@ -50,6 +54,14 @@ def test_layout_and_dequantize(name, h):
     elif isinstance(recipe, qmoe.Blockwise):
         assert type(q) is qmoe.Float8BlockwiseTensor and q.block_size == 128
         assert q.scale.shape == (3, 5, math.ceil(h / 128)) and q.scale.dtype == torch.float32
+    elif isinstance(recipe, qmoe.RowWise):  # one block over each row
+        assert type(q) is qmoe.Float8BlockwiseTensor and q.block_size >= h
+        assert q.scale.shape == (3, 5, 1) and q.scale.dtype == torch.float32
+        amax = x.float().abs().amax(-1, keepdim=True).clamp(min=1e-12)
+        s = amax / torch.finfo(recipe.fp8_dtype).max
+        if recipe.power_of_two_scale:
+            s = torch.exp2(torch.ceil(torch.log2(s)))
+        assert torch.equal(q.scale, s)
     else:
         assert type(q) is qmoe.MXFP8Tensor
         assert q.scale.shape == (3, 5, math.ceil(h / 32)) and q.scale.dtype == torch.float8_e8m0fnu
@@ -65,6 +77,7 @@ def test_layout_and_dequantize(name, h):
         ("pertensor-e4m3", 25), ("blockwise-e4m3", 28), ("mx-e4m3", 28),
         ("pertensor-e5m2", 19), ("blockwise-e5m2", 22), ("mx-e5m2", 22),
         ("pertensor-pow2", 25), ("blockwise-pow2", 27), ("mx-rceil-e4m3", 28),
+        ("rowwise-e4m3", 27), ("rowwise-e5m2-pow2", 20),
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
