@@ -870,8 +870,8 @@ std::tuple<Tensor, Tensor> quantize_blocks(const Tensor& x_in, int64_t bs, at::S
                        : mode_str == "mx_floor" ? 2 : mode_str == "mx_rceil" ? 4 : -1;
   QMOE_CHECK(mode >= 0, op, "scale_mode must be one of ['amax', 'mx_floor', 'mx_rceil', 'pow2'], got ",
              mode_str);
-  QMOE_CHECK(bs >= 1 && bs <= 4096 && (bs & (bs - 1)) == 0, op,
-             "block_size must be a power of two in [1, 4096], got ", bs);
+  QMOE_CHECK(bs >= 1 && bs <= 16384 && (bs & (bs - 1)) == 0, op,
+             "block_size must be a power of two in [1, 16384], got ", bs);
   check_quantize_dtypes(op, x_in, fp8);
   const bool e4m3 = fp8 == at::kFloat8_e4m3fn;
   auto x = x_in.contiguous();

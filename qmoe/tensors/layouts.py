@@ -53,7 +53,7 @@ BLOCKWISE_BLOCK_SIZE = 128
 BLOCKWISE_BLOCK_SIZES = (16, 1024)
 #: The direct quantize ops' ``block_size`` (``qmoe::quantize_blocks``, the fused
 #: ``qmoe::quantize_permute*``; the C++ kernel checks the same): a power of two in this range.
-OP_BLOCK_SIZES = (1, 4096)
+OP_BLOCK_SIZES = (1, 16384)
 
 
 def check_block_size(name: str, block_size) -> None:

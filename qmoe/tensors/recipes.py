@@ -82,8 +82,8 @@ class RowWise:
 
     The quantized tensor is a ``Float8BlockwiseTensor`` whose one block spans the row:
     ``block_size = next_pow2(H)`` (``block_size_of``), scales ``[..., 1]``; so every op
-    that moves blockwise rows moves these. Rows up to ``OP_BLOCK_SIZES``' bound (4096
-    columns) for now.
+    that moves blockwise rows moves these. Rows of up to ``OP_BLOCK_SIZES``' bound (16384
+    columns).
     """
 
     fp8_dtype: torch.dtype = torch.float8_e4m3fn

@@ -168,6 +168,10 @@ def _launches():
             quantize_permute_mask_triton(x, mask, n, align, probs, bs, torch.float8_e4m3fn, mode,
                                          None, QuantizePermuteTiling(one_launch=one))
     x7 = torch.randn(t, 7168, dtype=torch.bfloat16)  # the widest tiles (4096 columns)
+    # qmoe.RowWise: one block over the row (8192 columns at H 7168)
+    quantize_rows_triton(x7, 8192, torch.float8_e4m3fn, "amax")
+    quantize_permute_triton(x7, rid, probs, n, 8192, torch.float8_e4m3fn, "amax", None, fill)
+    quantize_permute_mask_triton(x7, mask, n, 1, probs, 8192, torch.float8_e4m3fn, "pow2", None)
     KP.permute_rows_triton(x7, rid, n, probs, fill=fill)
     permute_mask_triton(x7.view(torch.uint8), mask, n, 1, probs)
     KU.unpermute_rows_triton(torch.randn(n, 7168, dtype=torch.bfloat16), rid, probs)

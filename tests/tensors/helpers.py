@@ -18,12 +18,12 @@ RECIPES = {
 
 
 def skip_wide_rowwise(recipe, h: int) -> None:
-    """Skip a case of rows wider than ``RowWise`` covers (4096 columns; its refusal is
+    """Skip a case of rows wider than ``RowWise`` covers (16384 columns; its refusal is
     tested in tests/tensors/test_quantize.py)."""
     import pytest
 
-    if isinstance(recipe, qmoe.RowWise) and h > 4096:
-        pytest.skip(f"RowWise covers rows of up to 4096 columns, not H={h}")
+    if isinstance(recipe, qmoe.RowWise) and h > 16384:
+        pytest.skip(f"RowWise covers rows of up to 16384 columns, not H={h}")
 
 
 # One recipe per layout, for the tests where the fp8 dtype is not the point.

@@ -41,8 +41,8 @@ def _expected_dequant(q) -> torch.Tensor:
 def test_layout_and_dequantize(name, h):
     recipe = RECIPES[name]
     x = torch.randn(3, 5, h, dtype=torch.bfloat16)
-    if isinstance(recipe, qmoe.RowWise) and h > 4096:
-        with pytest.raises(ValueError, match="wider than the 4096 a row-wise scale covers"):
+    if isinstance(recipe, qmoe.RowWise) and h > 16384:
+        with pytest.raises(ValueError, match="wider than the 16384 a row-wise scale covers"):
             qmoe.quantize(x, recipe)
         return
     q = qmoe.quantize(x, recipe)
@@ -69,6 +69,14 @@ def test_layout_and_dequantize(name, h):
     assert d.dtype == torch.bfloat16 and type(d) is torch.Tensor
     assert torch.equal(d, _expected_dequant(q).to(torch.bfloat16))
     assert torch.equal(q.dequantize(torch.float32), _expected_dequant(q))
+
+
+def test_rowwise_refuses_rows_past_its_block_bound():
+    with pytest.raises(ValueError, match="wider than the 16384 a row-wise scale covers"):
+        qmoe.quantize(torch.randn(2, 16385), qmoe.RowWise())
+    with pytest.raises(ValueError, match="wider than the 16384"):
+        qmoe.moe_permute(torch.randn(2, 16385), torch.ones(2, 2, dtype=torch.bool), 4,
+                         quantize=qmoe.RowWise())
 
 
 @pytest.mark.parametrize(
