@@ -11,7 +11,8 @@ Paths, chosen from the inputs, never by a fallback warning:
   scale serves every row, or a ``Float8BlockwiseTensor`` whose one block spans the row;
   e4m3; CUDA of compute capability 9.x): ``torch._scaled_grouped_mm`` on the rows' fp8
   bits and scales as they are, the weights quantized per expert and output column in the
-  call (e4m3, ``scale = amax / 448``). Backward: the input gradient in FP8 (the gradient
+  call (e4m3, ``scale = max(amax, 1e-12) / 448``; one quantize launch after a transposing
+  copy). Backward: the input gradient in FP8 (the gradient
   quantized per row, the weights per expert and *input* column), the weight gradient in
   bf16 (2-D x 2-D grouped over the offsets), the rows dequantized for it: on an H100 the
   FP8 form of that shape was measured slower than bf16 (issue tracker, FP8 expert GEMMs).
@@ -27,15 +28,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from qmoe._intmath import next_pow2
 from qmoe.ops import checks as C
 from qmoe.tensors.base import QuantizedTensor
-from qmoe.tensors.layouts import EPS
 from qmoe.tensors.types import Float8BlockwiseTensor, Float8Tensor
 
 __all__ = ["grouped_mm"]
 
 _E4M3 = torch.float8_e4m3fn
-_E4M3_MAX = float(torch.finfo(_E4M3).max)
 
 
 def _rowwise_fp8(rows) -> bool:
@@ -57,10 +57,12 @@ def _row_scales(rows) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _quantize_last(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(e4m3 bits, fp32 scales)`` of ``x`` quantized along its last dim (one scale per
-    vector, ``max(amax, EPS) / 448``), contiguous."""
-    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=EPS) / _E4M3_MAX
-    q = (x.float() / scale).clamp(-_E4M3_MAX, _E4M3_MAX).to(_E4M3)
-    return q.contiguous(), scale.squeeze(-1)
+    vector, ``max(amax, EPS) / 448``: ``qmoe.RowWise``'s rule), contiguous: one
+    ``qmoe::quantize_blocks`` launch with one block over the vector (a transposed ``x`` is
+    made contiguous first)."""
+    bs = next_pow2(max(x.shape[-1], 1))
+    q, scale = torch.ops.qmoe.quantize_blocks(x.contiguous(), bs, _E4M3, "amax")
+    return q, scale.squeeze(-1)
 
 
 def _high(rows, dtype: torch.dtype) -> torch.Tensor:

@@ -189,3 +189,17 @@ def test_offsets_past_the_rows_raise():
     for offs in ([100, 200], [100, 50], [-1, 100]):
         with pytest.raises(ValueError, match="offsets must rise from >= 0 to at most N=163"):
             qmoe.grouped_mm(r, w, torch.tensor(offs, dtype=torch.int32))
+
+
+def test_weight_and_gradient_quantizing_is_rowwise():
+    """The FP8 path's quantizing of weights and gradients (``_quantize_last``): per vector
+    along the last dim, transposed views included, bit for bit ``qmoe.RowWise``'s."""
+    from qmoe.ops.grouped_mm import _quantize_last
+
+    w = torch.randn(3, 40, 24, device=DEV).bfloat16()
+    for x in (w, w.transpose(-2, -1), torch.randn(17, 24, device=DEV).bfloat16()):
+        q, s = _quantize_last(x)
+        want = qmoe.quantize(x.contiguous(), qmoe.RowWise())
+        assert q.is_contiguous() and s.shape == x.shape[:-1]
+        assert_same_bits(q, want.qdata)
+        assert_same_bits(s, want.raw_scale.squeeze(-1))
