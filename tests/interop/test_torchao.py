@@ -240,8 +240,10 @@ def test_conversion_errors():
         qmoe.from_torchao(LAYOUTS["train-colwise"](x))
     with pytest.raises(ValueError, match="MXTensor needs an MXFP8Tensor"):
         qmoe.to_torchao(qmoe.quantize(x, qmoe.PerTensor()), MXTensor)
-    with pytest.raises(ValueError, match="does not tile"):
-        qmoe.to_torchao(qmoe.quantize(x, qmoe.Blockwise()), AOFloat8Tensor)
+    with pytest.raises(ValueError, match="does not tile"):  # blocks of 128 over H 200
+        qmoe.to_torchao(qmoe.quantize(torch.randn(4, 200), qmoe.Blockwise()), AOFloat8Tensor)
+    one = qmoe.quantize(x, qmoe.Blockwise())  # one partial block a row: per-row scales
+    assert torch.equal(qmoe.to_torchao(one, AOFloat8Tensor).dequantize(), one.dequantize())
     with pytest.raises(ValueError, match="not a multiple of 32"):  # torchao could not use it
         qmoe.to_torchao(qmoe.quantize(torch.randn(4, 200), qmoe.MXFP8()), MXTensor)
     with pytest.raises(ValueError, match="contiguous"):
