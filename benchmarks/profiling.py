@@ -219,7 +219,9 @@ def _empty_ints20_nospec(a0, n0, n1, n2, n3, n4, n5, n6, n7, n8, n9, n10, n11, n
 
 
 def launches(fn) -> list[str]:
-    """The names of the device kernels (and memsets/copies) one call of ``fn`` runs."""
+    """The names (cut at 80 characters) of the device kernels, memsets and copies one call
+    of ``fn`` runs, in order, after a warm-up call (compiles, caches). Also what
+    tests/ops/test_kernel_counts.py counts."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()

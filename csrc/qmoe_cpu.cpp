@@ -296,6 +296,20 @@ inline void check_col(int32_t c, int64_t p, int64_t t) {
               "these probs' routing");
 }
 
+// Routing weights [T, P] as fp32, converted once per call (small; fp64 weights round to
+// fp32, as every merge reads them); `at(t, c)` checks the column, then reads one float.
+struct RouteWeights {
+  Tensor f;
+  const float* p;
+  int64_t cols;
+  explicit RouteWeights(const Tensor& w)
+      : f(w.to(at::kFloat).contiguous()), p(f.data_ptr<float>()), cols(f.size(1)) {}
+  float at(int64_t t, int32_t c) const {
+    check_col(c, cols, t);
+    return p[t * cols + c];
+  }
+};
+
 // d = bf16(float(src) * w) over a row: widen (exact), multiply, round to nearest even
 // (NaN -> 0x7FC0), c10::BFloat16's conversions written as an integer loop that vectorizes.
 __attribute__((target_clones("avx2", "default"))) void scale_bf16_row(
@@ -339,18 +353,13 @@ Tensor permute_rows(const Tensor& inp, const Tensor& rid, int64_t n,
       if (stream) stream_fence();
     });
   } else {
-    // the weights as fp32 once ([T, P], small): each route then reads one float (fp64
-    // weights round to fp32 here, as every merge reads them)
-    const Tensor wf = weights->to(at::kFloat).contiguous();
-    const float* wp = wf.data_ptr<float>();
-    const int64_t p = wf.size(1);
+    const RouteWeights rw(*weights);
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "permute_w", [&] {
       for_each_route(rid, [&](int64_t t, const int32_t* dst, const int32_t* col, int32_t cnt) {
         const scalar_t* src = reinterpret_cast<const scalar_t*>(xp + t * xs);
         for (int32_t s = 0; s < cnt; ++s) {
           TORCH_CHECK_VALUE(dst[s] >= 0 && dst[s] < n, "qmoe::permute: row_id_map row out of range");
-          check_col(col[s], p, t);
-          const float wv = wp[t * p + col[s]];
+          const float wv = rw.at(t, col[s]);
           scalar_t* d = reinterpret_cast<scalar_t*>(o + dst[s] * rb);
           if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
             scale_bf16_row(reinterpret_cast<const uint16_t*>(src), wv,
@@ -470,10 +479,8 @@ Tensor merge(const Tensor& rid, int64_t h, int64_t nrows, const c10::optional<Te
   out_t* o = out.data_ptr<out_t>();
   const int64_t s_ = slots_of(rid), width = 2 * s_ + 1;
   const int32_t* m = rid.data_ptr<int32_t>();
-  // the weights as fp32 once ([T, P], small; fp64 ones rounded to fp32)
-  const Tensor wf = w.has_value() ? w->to(at::kFloat).contiguous() : Tensor();
-  const float* wp = w.has_value() ? wf.data_ptr<float>() : nullptr;
-  const int64_t p = w.has_value() ? wf.size(1) : 0;
+  const c10::optional<RouteWeights> rw =
+      w.has_value() ? c10::optional<RouteWeights>(RouteWeights(*w)) : c10::nullopt;
   at::parallel_for(0, t, 16, [&](int64_t b, int64_t e) {
     std::vector<float> acc(h), v(h), wts(s_);
     for (int64_t i = b; i < e; ++i) {
@@ -484,8 +491,7 @@ Tensor merge(const Tensor& rid, int64_t h, int64_t nrows, const c10::optional<Te
       for (int32_t s = 0; s < cnt; ++s) {
         TORCH_CHECK_VALUE(dst[s] >= 0 && dst[s] < nrows, "qmoe: row_id_map row ", dst[s],
                     " out of range for an input of ", nrows, " rows");
-        if (wp != nullptr) check_col(col[s], p, i);
-        wts[s] = wp != nullptr ? wp[i * p + col[s]] : 1.f;
+        wts[s] = rw.has_value() ? rw->at(i, col[s]) : 1.f;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t lo = 0; lo < h; lo += kMergeCols) {

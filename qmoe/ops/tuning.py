@@ -123,12 +123,7 @@ def merge_backward_tile(h: int, p: int) -> tuple[int, int, int]:
     return (4 if h >= 4096 and p >= 16 else 2), min(1024, _block_h(h)), 4
 
 
-#: Largest merge-backward input gradient (bytes, N x H) zeroed whole before the merge
-#: backward's one launch (two launches: fill, merge); larger ones flag the rows written
-#: and zero the rest afterwards (three: flag fill, merge, zeroing; less traffic). At this
-#: size the fill takes about 10 us of H100/H200 bandwidth, below the host time of the
-#: launch it saves; chosen with ``python -m benchmarks profile small`` (host) and
-#: ``python -m benchmarks bench permute`` (GPU time of the merge backward at each config).
+#: Largest merge-backward input gradient (bytes) zeroed whole first (fill + merge; above: flag fill, merge, zeroing), a first estimate not yet swept: ``python -m benchmarks bench permute`` times the merge backward per config.
 MERGE_BACKWARD_FILL_BYTES = 32 << 20
 
 

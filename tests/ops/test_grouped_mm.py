@@ -39,6 +39,19 @@ def _loop_grads(rows, w, offs, g):
     return r.grad, wf.grad
 
 
+def _assert_fwd_bwd(out, ref_rows, leaf, w, offs, counts, floor):
+    """``out`` (``grouped_mm`` of rows standing for ``ref_rows``) above ``floor`` dB against
+    the fp32 loop, zero past the last offset; then, after its backward, the gradients of
+    ``leaf`` (what the rows came from) and ``w`` above the floor too."""
+    assert sqnr_db(_loop(ref_rows, w, offs), out.float()) > floor
+    assert (out[sum(counts):] == 0).all()
+    g = torch.randn(out.shape, device=DEV).bfloat16()
+    out.backward(g)
+    gr, gw = _loop_grads(ref_rows, w, offs, g)
+    assert sqnr_db(gr, leaf.grad.float()) > floor
+    assert sqnr_db(gw, w.grad.float()) > floor
+
+
 CASES = [  # (group sizes, spare rows past the last offset, K, M)
     ([5, 0, 17, 9], 0, 32, 48),  # an empty expert
     ([1], 0, 8, 8),  # one row
@@ -55,18 +68,11 @@ def test_bf16_forward_and_grads(counts, spare, k, m):
     offs = _offsets(counts)
     out = qmoe.grouped_mm(rows, w, offs)
     assert out.shape == (n, m) and out.dtype == torch.bfloat16
-    want = _loop(rows, w, offs)
-    assert sqnr_db(want, out.float()) > BF16_FLOOR
-    assert (out[sum(counts):] == 0).all()
-    g = torch.randn(n, m, device=DEV).bfloat16()
-    out.backward(g)
-    gr, gw = _loop_grads(rows, w, offs, g)
-    assert sqnr_db(gr, rows.grad.float()) > BF16_FLOOR
+    _assert_fwd_bwd(out, rows, rows, w, offs, counts, BF16_FLOOR)
     assert (rows.grad[sum(counts):] == 0).all()
     for e, c in enumerate(counts):  # an empty group's weight gradient is exactly zero
         if c == 0:
             assert (w.grad[e] == 0).all()
-    assert sqnr_db(gw, w.grad.float()) > BF16_FLOOR
 
 
 @pytest.mark.parametrize("recipe", [qmoe.PerTensor(), qmoe.Blockwise(block_size=32),
@@ -105,14 +111,7 @@ def test_fp8_rowwise_path(recipe, counts):
     q = qmoe.quantize(xq, recipe)
     out = qmoe.grouped_mm(q, w, offs)
     assert out.dtype == torch.bfloat16
-    want = _loop(x, w, offs)
-    assert sqnr_db(want, out.float()) > FP8_FLOOR
-    assert (out[sum(counts):] == 0).all()
-    g = torch.randn(n, m, device=DEV).bfloat16()
-    out.backward(g)
-    gr, gw = _loop_grads(x, w, offs, g)
-    assert sqnr_db(gr, xq.grad.float()) > FP8_FLOOR
-    assert sqnr_db(gw, w.grad.float()) > FP8_FLOOR
+    _assert_fwd_bwd(out, x, xq, w, offs, counts, FP8_FLOOR)
 
 
 @pytest.mark.parametrize("recipe", [qmoe.RowWise(), qmoe.PerTensor()])

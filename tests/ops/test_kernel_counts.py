@@ -8,6 +8,7 @@ import torch
 import triton
 
 import qmoe
+from benchmarks.profiling import launches
 from qmoe.ops import kernels as ops_kernels
 from qmoe.tensors import kernels as tensors_kernels
 
@@ -27,21 +28,6 @@ def _our_kernels() -> set[str]:
                 if isinstance(obj, triton.runtime.JITFunction):
                     names.add(obj.fn.__name__)
     return names
-
-
-def kernels_of(fn) -> list[str]:
-    """Names of the device kernels (memsets and copies included) one call of ``fn`` runs,
-    after a warm-up call (compiles, caches)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    evs = [ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
-    evs.sort(key=lambda ev: ev.time_range.start)
-    return [ev.name for ev in evs]
 
 
 def _routing(t, e, k):
@@ -70,7 +56,7 @@ def test_forward_kernel_counts(t, h, e, k):
                                                quantize=qmoe.Blockwise()), 3),
     }
     for name, (fn, most) in cases.items():
-        got = kernels_of(fn)
+        got = launches(fn)
         assert 1 <= len(got) <= most, (name, got)
         assert set(got) <= ours, (name, sorted(set(got) - ours))
 
@@ -89,12 +75,12 @@ def test_backward_kernel_counts():
     n = t * k
     out, pp, rid = qmoe.moe_permute_with_probs(x, p, mask, num_out_tokens=n)
     g, gq = torch.randn_like(out), torch.randn_like(pp)
-    got = kernels_of(lambda: torch.autograd.grad((out, pp), (x, p), (g, gq),
+    got = launches(lambda: torch.autograd.grad((out, pp), (x, p), (g, gq),
                                                  retain_graph=True))
     assert len(got) == 1 and set(got) <= ours, got
     y = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     merged = qmoe.moe_unpermute(y, rid, p)
     gm = torch.randn_like(merged)
-    got = kernels_of(lambda: torch.autograd.grad(merged, (y, p), gm, retain_graph=True))
+    got = launches(lambda: torch.autograd.grad(merged, (y, p), gm, retain_graph=True))
     glue = [name for name in got if name not in ours]
     assert len(got) <= 2 and len(glue) <= 1, got  # glue: the input gradient's zero fill
