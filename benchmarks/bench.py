@@ -431,8 +431,9 @@ def grouped_mm_main(a) -> None:
         python -m benchmarks bench grouped_mm [--shapes dsv3_ep8,qwen3] [--out gmm.json]
 
     Per shape: the gate-up GEMM (``[rows, H] x [E, H, 2F]``) and the down GEMM (``[rows,
-    F] x [E, F, H]``), rows spread evenly over the experts; bf16 rows, and per-tensor e4m3
-    rows (the FP8 row-wise path on Hopper; the weights quantized in the call). Times:
+    F] x [E, F, H]``), rows spread evenly over the experts; bf16 rows, and ``RowWise`` e4m3
+    rows (the FP8 row-wise path on Hopper) with the weights quantized in the call
+    (``fp8``) or given by ``quantize_expert_weights`` (``fp8_prequantized``). Times:
     forward, and forward + backward (input and weight gradients), each the median of
     ``do_bench`` (GPU time, eager; the quantization of the rows is not timed, the
     weights' is); TFLOP/s counts 2 * rows * K * M per GEMM (three GEMMs for fwd + bwd).
@@ -450,17 +451,20 @@ def grouped_mm_main(a) -> None:
             x = torch.randn(n, k, device="cuda").bfloat16()
             g = torch.randn(n, m, device="cuda").bfloat16()
             flop = 2 * n * k * m
-            for mode in ("bf16", "fp8"):
+            wq = qmoe.quantize_expert_weights(w)
+            for mode in ("bf16", "fp8", "fp8_prequantized"):
                 xg = x.clone().requires_grad_()
                 # the rows as the GEMM gets them, differentiable (FP8: a quantize's output)
-                rows = xg if mode == "bf16" else qmoe.quantize(xg, qmoe.PerTensor())
+                rows = xg if mode == "bf16" else qmoe.quantize(xg, qmoe.RowWise())
+                pre = wq if mode == "fp8_prequantized" else None
 
-                def fwd(rows=rows, w=w, offs=offs):
+                def fwd(rows=rows, w=w, offs=offs, pre=pre):
                     with torch.no_grad():
-                        qmoe.grouped_mm(rows, w, offs)
+                        qmoe.grouped_mm(rows, w, offs, weight_fp8=pre)
 
-                def fwd_bwd(rows=rows, w=w, offs=offs, g=g):
-                    torch.autograd.grad(qmoe.grouped_mm(rows, w, offs), (rows, w), g)
+                def fwd_bwd(rows=rows, w=w, offs=offs, g=g, pre=pre):
+                    torch.autograd.grad(qmoe.grouped_mm(rows, w, offs, weight_fp8=pre),
+                                        (rows, w), g)
 
                 ms_f = median_ms(fwd)
                 ms_fb = median_ms(fwd_bwd)

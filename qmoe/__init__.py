@@ -3,6 +3,7 @@
 from qmoe._backends import backends, load_cpp_kernels
 from qmoe.interop import from_torchao, to_torchao
 from qmoe.ops import (
+    ExpertWeightsFP8,
     expert_offsets,
     grouped_mm,
     moe_permute,
@@ -11,6 +12,7 @@ from qmoe.ops import (
     moe_sort_chunks_by_index,
     moe_sort_chunks_by_index_with_probs,
     moe_unpermute,
+    quantize_expert_weights,
     tokens_per_expert,
 )
 from qmoe.tensors import (
@@ -40,6 +42,8 @@ __all__ = [
     "tokens_per_expert",
     "expert_offsets",
     "grouped_mm",
+    "quantize_expert_weights",
+    "ExpertWeightsFP8",
     "backends",
     "from_torchao",
     "to_torchao",

@@ -9,7 +9,7 @@ them (imported here, so ``import qmoe.ops`` makes FP8 inputs work)."""
 
 from qmoe.ops import fp8
 from qmoe.ops.counts import expert_offsets, tokens_per_expert
-from qmoe.ops.grouped_mm import grouped_mm
+from qmoe.ops.grouped_mm import ExpertWeightsFP8, grouped_mm, quantize_expert_weights
 from qmoe.ops.permute import moe_permute, moe_permute_and_pad_with_probs, moe_permute_with_probs
 from qmoe.ops.sort_chunks import moe_sort_chunks_by_index, moe_sort_chunks_by_index_with_probs
 from qmoe.ops.unpermute import moe_unpermute
@@ -19,6 +19,8 @@ __all__ = [
     "tokens_per_expert",
     "expert_offsets",
     "grouped_mm",
+    "quantize_expert_weights",
+    "ExpertWeightsFP8",
     "moe_permute",
     "moe_permute_with_probs",
     "moe_permute_and_pad_with_probs",

@@ -21,9 +21,16 @@ Paths, chosen from the inputs, never by a fallback warning:
   ``torch.nn.functional.grouped_mm`` in the weights' dtype, forward and backward.
 
 Rows past ``offsets[-1]`` belong to no expert: their output (and their gradient) is zero.
+
+Weights given pre-quantized: ``qmoe.quantize_expert_weights(weight)`` quantizes the
+weights once, both ways the FP8 path needs them; ``grouped_mm(..., weight_fp8=wq)`` then
+skips the two quantize passes per call (gradient accumulation: quantize once per optimizer
+step, reuse across the micro-batches). The weight gradient still goes to ``weight``.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +40,7 @@ from qmoe.ops import checks as C
 from qmoe.tensors.base import QuantizedTensor
 from qmoe.tensors.types import Float8BlockwiseTensor, Float8Tensor
 
-__all__ = ["grouped_mm"]
+__all__ = ["grouped_mm", "quantize_expert_weights", "ExpertWeightsFP8"]
 
 _E4M3 = torch.float8_e4m3fn
 
@@ -65,6 +72,44 @@ def _quantize_last(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale.squeeze(-1)
 
 
+class ExpertWeightsFP8(NamedTuple):
+    """Expert weights ``[E, K, M]`` quantized for ``grouped_mm``'s FP8 path (e4m3, one
+    fp32 scale per vector, ``max(amax, 1e-12) / 448``): what the call would quantize."""
+
+    fwd_bits: torch.Tensor  # [E, M, K] e4m3: per expert and output column, along K
+    fwd_scale: torch.Tensor  # [E, M] fp32
+    bwd_bits: torch.Tensor | None  # [E, K, M] e4m3: per expert and input column, along M
+    bwd_scale: torch.Tensor | None  # [E, K] fp32
+
+
+@torch.no_grad()
+def quantize_expert_weights(weight: torch.Tensor, *, backward: bool = True
+                            ) -> ExpertWeightsFP8:
+    """Quantize expert weights once for ``grouped_mm(rows, weight, offsets,
+    weight_fp8=...)``: the forward's layout (per expert and output column) and, with
+    ``backward=True``, the input gradient's (per expert and input column).
+
+    Args:
+        weight: ``[E, K, M]`` bf16 CUDA (or CPU: the layouts are made the same way, though
+            only Hopper runs the FP8 GEMM), the master weights.
+        backward: also quantize the input gradient's layout (skip it for inference).
+
+    Returns ``ExpertWeightsFP8`` (no gradient flows through it: pass the master ``weight``
+    beside it). Stale after an optimizer step: quantize again. No host sync.
+    """
+    fn = "quantize_expert_weights"
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 3 or isinstance(
+            weight, QuantizedTensor) or not weight.dtype.is_floating_point:
+        raise TypeError(f"{fn}: weight must be a plain [E, K, M] float tensor (the master "
+                        f"weights), got {type(weight).__name__} "
+                        f"{tuple(getattr(weight, 'shape', ()))}")
+    fb, fs = _quantize_last(weight.transpose(-2, -1))
+    bb = bs = None
+    if backward:
+        bb, bs = _quantize_last(weight)
+    return ExpertWeightsFP8(fb, fs, bb, bs)
+
+
 def _high(rows, dtype: torch.dtype) -> torch.Tensor:
     """``rows`` in ``dtype`` (quantized rows dequantized)."""
     if isinstance(rows, QuantizedTensor):
@@ -80,41 +125,50 @@ def _zero_tail(out: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     return torch.where(rows < offsets[-1], out, 0)
 
 
-def _fp8_forward(rows, weight, offsets) -> torch.Tensor:
+def _fp8_forward(rows, weight, offsets, wq) -> torch.Tensor:
     a, a_scale = _row_scales(rows)
     # weights [E, K, M] per expert and output column: quantized along K, column-major
-    b, b_scale = _quantize_last(weight.transpose(-2, -1))  # [E, M, K] contiguous
+    if wq is None:
+        b, b_scale = _quantize_last(weight.transpose(-2, -1))  # [E, M, K] contiguous
+    else:
+        b, b_scale = wq
     return torch._scaled_grouped_mm(a, b.transpose(-2, -1), a_scale, b_scale, offsets,
                                     out_dtype=torch.bfloat16)
 
 
-def _fp8_input_grad(grad, weight, offsets) -> torch.Tensor:
+def _fp8_input_grad(grad, weight, offsets, wq) -> torch.Tensor:
     g, g_scale = _quantize_last(grad)  # [N, M] per row
-    b, b_scale = _quantize_last(weight)  # [E, K, M] per expert and input column
+    if wq is None:
+        b, b_scale = _quantize_last(weight)  # [E, K, M] per expert and input column
+    else:
+        b, b_scale = wq
     return torch._scaled_grouped_mm(g, b.transpose(-2, -1), g_scale, b_scale, offsets,
                                     out_dtype=torch.bfloat16)
 
 
 class _GroupedMM(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, rows, weight, offsets, fp8: bool):
+    def forward(ctx, rows, weight, offsets, fp8: bool, fwd_bits, fwd_scale, bwd_bits,
+                bwd_scale):
         if fp8:
-            out = _fp8_forward(rows, weight, offsets)
+            wq = None if fwd_bits is None else (fwd_bits, fwd_scale)
+            out = _fp8_forward(rows, weight, offsets, wq)
         else:
             out = F.grouped_mm(_high(rows, weight.dtype), weight, offs=offsets)
         ctx.fp8 = fp8
         ctx.rows_dtype = rows.dtype
-        ctx.save_for_backward(rows, weight, offsets)
+        ctx.save_for_backward(rows, weight, offsets, bwd_bits, bwd_scale)
         return _zero_tail(out, offsets)
 
     @staticmethod
     def backward(ctx, grad):
-        rows, weight, offsets = ctx.saved_tensors
+        rows, weight, offsets, bwd_bits, bwd_scale = ctx.saved_tensors
         grad = grad.contiguous()
         grad_rows = grad_weight = None
         if ctx.needs_input_grad[0]:
             if ctx.fp8:
-                gr = _fp8_input_grad(grad, weight, offsets)
+                wq = None if bwd_bits is None else (bwd_bits, bwd_scale)
+                gr = _fp8_input_grad(grad, weight, offsets, wq)
             else:
                 gr = F.grouped_mm(grad.to(weight.dtype), weight.transpose(-2, -1),
                                   offs=offsets)
@@ -122,7 +176,7 @@ class _GroupedMM(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             a = _high(rows, weight.dtype)
             grad_weight = F.grouped_mm(a.t(), grad.to(weight.dtype), offs=offsets)
-        return grad_rows, grad_weight, None, None
+        return grad_rows, grad_weight, None, None, None, None, None, None
 
 
 def _check(fn, rows, weight, offsets) -> None:
@@ -164,8 +218,8 @@ def _check(fn, rows, weight, offsets) -> None:
 
 
 @C.user_errors
-def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor
-               ) -> torch.Tensor:
+def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, *,
+               weight_fp8: ExpertWeightsFP8 | None = None) -> torch.Tensor:
     """Each expert's rows times its weights: ``out[r] = rows[r] @ weight[e]`` for the rows
     ``r`` of expert ``e``'s group, ``[offsets[e-1], offsets[e])`` (``offsets[-1] = 0``).
 
@@ -179,10 +233,38 @@ def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor
         offsets: int32 ``[E]``, each group's end row, rising, at most N
             (``qmoe.expert_offsets``): checked without a host sync on CUDA (an async
             device assert), with a ``ValueError`` on CPU.
+        weight_fp8: optional ``qmoe.quantize_expert_weights(weight)``: the FP8 path uses
+            it instead of quantizing ``weight`` in the call (its ``bwd_*`` fields, when
+            present, serve the input gradient); the other paths do not read it. Its
+            shapes are checked against ``weight``; that it is ``weight``'s current
+            values is the caller's promise.
 
     Returns ``[N, M]`` bf16 for the FP8 path, else in the weights' dtype; rows past
     ``offsets[-1]`` are zero. No host sync.
     """
     fn = "grouped_mm"
     _check(fn, rows, weight, offsets)
-    return _GroupedMM.apply(rows, weight, offsets, _rowwise_fp8(rows))
+    wq = (None,) * 4
+    if weight_fp8 is not None:
+        _check_weight_fp8(fn, weight, weight_fp8)
+        wq = tuple(weight_fp8)
+    return _GroupedMM.apply(rows, weight, offsets, _rowwise_fp8(rows), *wq)
+
+
+def _check_weight_fp8(fn, weight, wq) -> None:
+    if not isinstance(wq, ExpertWeightsFP8):
+        raise TypeError(f"{fn}: weight_fp8 must be qmoe.quantize_expert_weights(weight)'s "
+                        f"result, got {type(wq).__name__}")
+    e, k, m = weight.shape
+    want = {"fwd_bits": ((e, m, k), _E4M3), "fwd_scale": ((e, m), torch.float32),
+            "bwd_bits": ((e, k, m), _E4M3), "bwd_scale": ((e, k), torch.float32)}
+    for name, (shape, dtype) in want.items():
+        t = getattr(wq, name)
+        if t is None and name.startswith("bwd"):
+            continue
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != dtype:
+            raise ValueError(f"{fn}: weight_fp8.{name} must be {dtype} {list(shape)} for "
+                             f"weight [E, K, M] = {list(weight.shape)}, got "
+                             f"{getattr(t, 'dtype', None)} {tuple(getattr(t, 'shape', ()))}; "
+                             "pass qmoe.quantize_expert_weights(weight) of these weights")
+        C.check_same_device(fn, "weight", weight, **{f"weight_fp8.{name}": t})

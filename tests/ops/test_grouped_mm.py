@@ -202,3 +202,56 @@ def test_weight_and_gradient_quantizing_is_rowwise():
         assert q.is_contiguous() and s.shape == x.shape[:-1]
         assert_same_bits(q, want.qdata)
         assert_same_bits(s, want.raw_scale.squeeze(-1))
+
+
+def test_quantize_expert_weights_layouts():
+    """``quantize_expert_weights``: the forward's layout (``[E, M, K]``, per output column)
+    and the input gradient's (``[E, K, M]``, per input column), each bit for bit
+    ``qmoe.RowWise`` of that orientation; ``backward=False`` leaves the second out."""
+    w = torch.randn(3, 40, 24, device=DEV).bfloat16()
+    wq = qmoe.quantize_expert_weights(w)
+    fwd = qmoe.quantize(w.transpose(-2, -1).contiguous(), qmoe.RowWise())
+    bwd = qmoe.quantize(w, qmoe.RowWise())
+    assert_same_bits(wq.fwd_bits, fwd.qdata)
+    assert_same_bits(wq.fwd_scale, fwd.raw_scale.squeeze(-1))
+    assert_same_bits(wq.bwd_bits, bwd.qdata)
+    assert_same_bits(wq.bwd_scale, bwd.raw_scale.squeeze(-1))
+    fwd_only = qmoe.quantize_expert_weights(w, backward=False)
+    assert fwd_only.bwd_bits is None and fwd_only.bwd_scale is None
+    assert_same_bits(fwd_only.fwd_bits, wq.fwd_bits)
+
+
+@pytest.mark.parametrize("recipe", [None, qmoe.RowWise()])
+def test_prequantized_weights_match_quantizing_in_the_call(recipe):
+    """``weight_fp8=quantize_expert_weights(w)`` gives bit for bit what quantizing in the
+    call gives: forward, input and weight gradients (on Hopper the FP8 path reads the
+    given bits; elsewhere the argument is not read); the weight gradient reaches ``w``."""
+    counts, k, m = [30, 0, 50, 16], 64, 128
+    x0 = torch.randn(sum(counts) + 4, k, device=DEV).bfloat16()
+    w0 = (torch.randn(4, k, m, device=DEV) / 8).bfloat16()
+    offs = _offsets(counts)
+    g = torch.randn(x0.shape[0], m, device=DEV).bfloat16()
+
+    def run(pre: bool):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        rows = x if recipe is None else qmoe.quantize(x, recipe)
+        wq = qmoe.quantize_expert_weights(w) if pre else None
+        out = qmoe.grouped_mm(rows, w, offs, weight_fp8=wq)
+        out.backward(g)
+        return out, x.grad, w.grad
+
+    for a, b in zip(run(True), run(False)):
+        assert_same_bits(a, b)
+
+
+def test_weight_fp8_bad_input():
+    r = torch.randn(10, 16, device=DEV).bfloat16()
+    w = torch.randn(2, 16, 8, device=DEV).bfloat16()
+    o = _offsets([4, 6])
+    other = qmoe.quantize_expert_weights(torch.randn(2, 8, 16, device=DEV).bfloat16())
+    with pytest.raises(ValueError, match=r"weight_fp8.fwd_bits must be .*\[2, 8, 16\]"):
+        qmoe.grouped_mm(r, w, o, weight_fp8=other)
+    with pytest.raises(TypeError, match="weight_fp8 must be qmoe.quantize_expert_weights"):
+        qmoe.grouped_mm(r, w, o, weight_fp8=(w, w))
+    with pytest.raises(TypeError, match="weight must be a plain"):
+        qmoe.quantize_expert_weights(w[0])
