@@ -38,11 +38,22 @@ import torch.nn.functional as F
 from qmoe._intmath import next_pow2
 from qmoe.ops import checks as C
 from qmoe.tensors.base import QuantizedTensor
+from qmoe.tensors.recipes import PerTensor, RowWise
 from qmoe.tensors.types import Float8BlockwiseTensor, Float8Tensor
 
-__all__ = ["grouped_mm", "quantize_expert_weights", "ExpertWeightsFP8"]
+__all__ = ["grouped_mm", "quantize_expert_weights", "ExpertWeightsFP8", "fp8_gemm_runs"]
 
 _E4M3 = torch.float8_e4m3fn
+
+
+def fp8_gemm_runs(recipe, device: torch.device | str) -> bool:
+    """Whether ``grouped_mm`` runs its FP8 GEMM for rows quantized with ``recipe`` on
+    ``device`` (module doc): ``PerTensor`` or ``RowWise``, e4m3, CUDA of compute capability
+    9.x. For other recipes quantizing the rows before ``grouped_mm`` saves no GEMM time."""
+    device = torch.device(device)
+    if not isinstance(recipe, (PerTensor, RowWise)) or recipe.fp8_dtype != _E4M3:
+        return False
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
 def _rowwise_fp8(rows) -> bool:
@@ -213,8 +224,10 @@ def _check(fn, rows, weight, offsets) -> None:
         ok = (offsets[0] >= 0) & (offsets[-1] <= rows.shape[0])
         if e > 1:
             ok = ok & (offsets[1:] >= offsets[:-1]).all()
-        C.check_values(fn, ok, f"offsets must rise from >= 0 to at most N={rows.shape[0]} "
-                       "(the rows' count); pass qmoe.expert_offsets of the permute's counts")
+        # N named in eager only: formatting a symbolic N under compile would specialize it
+        n = "" if C.is_compiling() else f"={rows.shape[0]}"
+        C.check_values(fn, ok, f"offsets must rise from >= 0 to at most N{n} (the rows' "
+                       "count); pass qmoe.expert_offsets of the permute's counts")
 
 
 @C.user_errors
