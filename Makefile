@@ -15,7 +15,9 @@ setup:
 	@if [ "$${QMOE_SKIP_CPP_BUILD:-0}" = 1 ]; then rm -f qmoe/_C*.so; fi
 	$(PY) -m pip install -q --no-build-isolation -e ".[test]"
 
+# matplotlib (the `demo` extra) draws the loss curves; the demo runs without it too
 demo: setup
+	@$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install -q "matplotlib>=3.7"
 	$(PY) -m qmoe.demo
 
 # Triton kernels run through the interpreter on machines without a GPU.
