@@ -100,7 +100,9 @@ class MoE(torch.nn.Module):
             recipe, the FP8 grouped GEMM's alignment; 1 without).
         process_group: expert parallelism: E must be a multiple of the group's size W;
             this rank holds experts ``[rank*L, (rank+1)*L)``, L = E / W. The router is
-            replicated (reduce its gradient as for any replicated parameter).
+            replicated (reduce its gradient as for any replicated parameter). With a
+            ``capacity_factor`` every rank must pass the same T (C comes from T, and
+            each rank pair exchanges ``L*C`` rows); dropless, T may differ.
         recompute: checkpoint the experts (dispatch to merge): their activations are
             recomputed in backward; the router runs once.
         param_dtype: the parameters' dtype (fp32 master weights by default); the GEMMs run

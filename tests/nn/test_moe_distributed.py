@@ -1,0 +1,89 @@
+"""``qmoe.nn.MoE(..., process_group=...)`` over Gloo (2 and 4 ranks on this machine)
+against the single-process layer on each rank's own tokens: the same router, the rank's
+slice of the experts, dispatch and combine through ``qmoe.distributed``. Output and every
+gradient bit for bit where the rows take the same path (bf16, RowWise: the rows and the
+merge order are the same; the GEMMs see each row alone), within a floor for per-tensor
+rows (each sender rescales to the largest scale: one more fp8 rounding, coarser for the
+ranks of smaller amax)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import qmoe
+from qmoe.nn import MoE
+from tests.tensors.helpers import assert_same_bits, sqnr_db
+from tests.test_distributed import _free_port
+
+H, F_, K = 40, 24, 2
+RECIPES = {"bf16": None, "rowwise": qmoe.RowWise(), "pertensor": qmoe.PerTensor()}
+
+
+def _make(world, recipe, cf, group=None, seed=0):
+    torch.manual_seed(seed)
+    return MoE(H, F_, 2 * world, K, recipe, capacity_factor=cf, process_group=group)
+
+
+def _run(layer, x0):
+    x = x0.clone().requires_grad_()
+    out, routing = layer(x)
+    out.float().square().sum().backward()
+    return out, routing, x.grad
+
+
+def _worker(rank, world, port, seed, cases):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=120))
+    try:
+        for name, cf in cases:
+            g = torch.Generator().manual_seed(seed + rank)
+            # dropless: uneven T per rank; a capacity needs one T on every rank (C comes
+            # from T, and every rank pair sends L*C rows)
+            t = 7 + 5 * rank if cf is None else 11
+            x0 = torch.randn(t, H, generator=g).bfloat16()
+            full = _make(world, RECIPES[name], cf)
+            ep = _make(world, RECIPES[name], cf, group=dist.group.WORLD)
+            loc = ep.num_local_experts
+            with torch.no_grad():  # the rank's slice of the single-process experts
+                ep.w_gate_up.copy_(full.w_gate_up[rank * loc : (rank + 1) * loc])
+                ep.w_down.copy_(full.w_down[rank * loc : (rank + 1) * loc])
+                ep.router.weight.copy_(full.router.weight)
+            want, want_r, want_dx = _run(full, x0)
+            got, got_r, got_dx = _run(ep, x0)
+            assert torch.equal(got_r.routing_map, want_r.routing_map), (name, cf)
+            pairs = [(got, want), (got_dx, want_dx),
+                     (ep.router.weight.grad, full.router.weight.grad)]
+            # this rank's experts' gradients come from every rank's tokens: summed over
+            # ranks in the single-process layer's terms (all-reduce of the full grads)
+            for p_full, p_ep in ((full.w_gate_up, ep.w_gate_up), (full.w_down, ep.w_down)):
+                gsum = p_full.grad.clone()
+                dist.all_reduce(gsum)
+                pairs.append((p_ep.grad, gsum[rank * loc : (rank + 1) * loc]))
+            for i, (a, b) in enumerate(pairs):
+                if name == "pertensor":
+                    # rows of a rank whose amax is below the largest are requantized to the
+                    # largest scale (coarser for them); a routing or merge bug gives < 3 dB
+                    assert sqnr_db(b, a) > 14, (name, cf, i, sqnr_db(b, a))
+                elif i >= 3:  # sums over ranks of bf16 gradients, against one bf16 GEMM
+                    assert sqnr_db(b, a) > 40, (name, cf, i, sqnr_db(b, a))
+                elif i == 2:  # the router's weight gradient: a CPU GEMM over T whose
+                    # thread split may differ between the two calls (last-bit differences)
+                    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+                else:
+                    assert_same_bits(a, b)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ep_layer_matches_single_process(world):
+    seed = int(os.environ.get("QMOE_SEED", int.from_bytes(os.urandom(2), "little")))
+    print(f"[qmoe] distributed seed={seed}")
+    cases = [(n, cf) for n in RECIPES for cf in (None, 1.0)]
+    mp.spawn(_worker, args=(world, _free_port(), seed, cases), nprocs=world, join=True)
