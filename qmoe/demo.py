@@ -9,7 +9,8 @@ FP8 rows are dequantized into bf16 grouped GEMMs.
 
 It prints the loss curves as a table, the step times, and a verdict: every FP8 recipe's
 final loss (mean of the last tenth of the steps) within ``--tolerance`` (relative) of
-bf16's, and bf16's below ``LEARNED`` of its first loss. With matplotlib installed (``make demo`` installs it) the curves also go to a PNG.
+bf16's, and bf16's below ``LEARNED`` of its first loss. With matplotlib installed
+(``make demo`` installs it) the curves also go to a PNG.
 """
 
 from __future__ import annotations
