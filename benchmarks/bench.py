@@ -477,11 +477,134 @@ def grouped_mm_main(a) -> None:
     write_json(a.out, {"bench": "grouped_mm", "env": env_info(), "results": rows_out})
 
 
+# --- bench moe_layer -------------------------------------------------------------------
+
+LAYER_SHAPES = {  # name: (tokens, hidden, expert FFN width, experts, top-k)
+    "dsv3_ep8": (4096, 7168, 2048, 32, 8),  # 32,768 routed rows: the grouped_mm dsv3 shape
+    "qwen3": (8192, 4096, 1536, 128, 8),
+    "small": (256, 4096, 1536, 64, 8),
+}
+# qmoe kernels (Triton) by name; the GEMM kernels by their libraries' names
+_QMOE_KERNELS = ("permute", "quantize", "unpermute", "gather", "scatter", "zero_rows",
+                 "row_id_map", "block_counts", "block_scan", "sort_chunks", "merge_backward")
+_GEMM_KERNELS = ("gemm", "cutlass", "nvjet", "xmma", "cublas", "sm90_", "grouped")
+
+
+def moe_layer_args(p) -> None:
+    p.add_argument("--shapes", default=",".join(LAYER_SHAPES))
+    p.add_argument("--out", default=None)
+
+
+def torch_moe_layer(x, router_w, w1, w2, k: int):
+    """The same layer in plain PyTorch (softmax top-k router, SwiGLU experts through
+    ``F.grouped_mm``): argsort of the expert ids, ``index_select`` of the rows, the
+    weighted ``index_add_`` back in fp32. One host-free step, as the qmoe layer's."""
+    import torch.nn.functional as F
+
+    t, e = x.shape[0], router_w.shape[0]
+    scores = F.linear(x.float(), router_w.float()).softmax(-1)
+    top = scores.topk(k, dim=-1)
+    ids = top.indices.reshape(-1)
+    order = ids.argsort(stable=True)
+    tok = order // k
+    offs = torch.bincount(ids, minlength=e).cumsum(0).to(torch.int32)
+    rows = x.index_select(0, tok)
+    hh = F.grouped_mm(rows, w1, offs=offs)
+    f = w2.shape[1]
+    y = F.grouped_mm(F.silu(hh[:, :f]) * hh[:, f:], w2, offs=offs)
+    y = y.float() * top.values.reshape(-1)[order, None]
+    return torch.zeros(t, x.shape[1], device=x.device).index_add_(0, tok, y).to(x.dtype)
+
+
+def _kernel_shares(fn, iters: int = 5) -> dict:
+    """GPU time (us per call) of ``fn``'s kernels: qmoe's, GEMMs', the rest's."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    out = {"qmoe_us": 0.0, "gemm_us": 0.0, "other_us": 0.0}
+    for ev in prof.events():
+        if ev.device_type.name != "CUDA":
+            continue
+        name = ev.name.lower()
+        key = ("qmoe_us" if any(k in name for k in _QMOE_KERNELS) else
+               "gemm_us" if any(k in name for k in _GEMM_KERNELS) else "other_us")
+        out[key] += (ev.time_range.end - ev.time_range.start) / iters
+    return {k: round(v, 1) for k, v in out.items()}
+
+
+def moe_layer_main(a) -> None:
+    """``qmoe.nn.MoE`` forward + backward, bf16 and FP8 ``RowWise``, beside the same layer
+    in plain PyTorch (issue: qmoe.nn.MoE).
+
+        python -m benchmarks bench moe_layer [--shapes dsv3_ep8,qwen3,small] [--out m.json]
+
+    Per shape and mode: the median GPU time of one step (``do_bench``), the eager host
+    time per step (``host_us``), the CUDA-graph replay time, the router's share (its own
+    forward + backward timed alone) and the kernel time split into qmoe's kernels,
+    GEMMs and the rest (torch.profiler). bf16 parameters (no per-step weight cast; a
+    framework's mixed-precision wrapper would cast fp32 master weights once per step).
+    """
+    if not torch.cuda.is_available():
+        print("bench moe_layer: needs CUDA, skipped")
+        return
+    from qmoe.nn import MoE
+
+    rows_out = []
+    for name in a.shapes.split(","):
+        t, h, f, e, k = LAYER_SHAPES[name]
+        x0 = torch.randn(t, h, device="cuda").bfloat16()
+        g = torch.randn(t, h, device="cuda").bfloat16()
+        for mode in ("torch", "bf16", "rowwise"):
+            torch.manual_seed(0)
+            layer = MoE(h, f, e, k, qmoe.RowWise() if mode == "rowwise" else None,
+                        device="cuda", param_dtype=torch.bfloat16)
+            params = (layer.router.weight, layer.w_gate_up, layer.w_down)
+            x = x0.clone().requires_grad_()
+
+            if mode == "torch":
+                def step(x=x, params=params, g=g, k=k):
+                    out = torch_moe_layer(x, *params, k)
+                    torch.autograd.grad(out, (x, *params), g)
+            else:
+                def step(x=x, layer=layer, params=params, g=g):
+                    out, _ = layer(x)
+                    torch.autograd.grad(out, (x, *params), g)
+
+            def router_step(x=x, layer=layer):
+                r = layer.router(x)
+                torch.autograd.grad(r.probs, (x, layer.router.weight),
+                                    torch.ones_like(r.probs))
+
+            r = {"shape": name, "T": t, "H": h, "F": f, "E": e, "K": k, "mode": mode}
+            try:
+                r["fwd_bwd_ms"] = round(median_ms(step), 4)
+                r["host_us"] = round(host_us(step, 50), 1)
+                r["router_ms"] = round(median_ms(router_step), 4)
+                r.update(_kernel_shares(step))
+                try:
+                    r["graph_ms"] = round(graph_median_ms(step), 4)
+                except Exception as err:  # noqa: BLE001 (reported, not fatal)
+                    r["graph_ms"] = f"{type(err).__name__}: {str(err)[:120]}"
+            except torch.OutOfMemoryError as err:
+                r["error"] = f"OutOfMemoryError: {str(err)[:120]}"
+            rows_out.append(r)
+            print(r, file=sys.stderr, flush=True)
+            del layer, params, x
+            torch.cuda.empty_cache()
+    write_json(a.out, {"bench": "moe_layer", "env": env_info(), "results": rows_out})
+
+
 COMMANDS = {  # name: (add its options to a parser, run it on the parsed options)
     "permute": (permute_args, permute_main),
     "quantize": (quantize_args, quantize_main),
     "compile_fp8": (compile_fp8_args, compile_fp8_main),
     "grouped_mm": (grouped_mm_args, grouped_mm_main),
+    "moe_layer": (moe_layer_args, moe_layer_main),
 }
 
 # --- table -----------------------------------------------------------------------------
