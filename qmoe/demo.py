@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 import qmoe
 from qmoe.nn import MoE, load_balancing_loss
+from qmoe.ops.grouped_mm import fp8_gemm_runs
 
 RECIPES = {
     "rowwise": ("RowWise(e4m3)", qmoe.RowWise()),
@@ -137,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, recipe in runs.items():
         curves[name], ms[name] = train(recipe, a, dev, teacher)
         if recipe is not None:
-            fp8 = dev == "cuda" and qmoe.ops.grouped_mm.fp8_gemm_runs(recipe, dev)
+            fp8 = fp8_gemm_runs(recipe, dev)
             name_gemm = "FP8 GEMMs" if fp8 else "bf16 GEMMs"
         else:
             name_gemm = "bf16 GEMMs"
