@@ -38,8 +38,10 @@ from qmoe._library import define
 from qmoe.ops import moe_permute, moe_sort_chunks_by_index, moe_unpermute
 from qmoe.ops.checks import ID_LIMIT, MASK_FROM_IDS, check_mask_values
 from qmoe.ops.launch import num_slots
+from qmoe.ops.quantize_permute import quantize_permute_by_map
 from qmoe.ops.row_id_map import compact_routes
 from qmoe.tensors.base import QuantizedTensor, register_passthrough
+from qmoe.tensors.recipes import Recipe
 
 __all__ = ["dispatch", "combine", "DispatchHandle", "TokenDispatcher", "wire_bytes_per_row"]
 
@@ -163,6 +165,7 @@ def dispatch(
     group=None,
     *,
     capacity: int | None = None,
+    quantize: Recipe | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
     """Send each token's rows to the ranks that own its experts.
 
@@ -175,10 +178,14 @@ def dispatch(
         capacity: rows each rank sends to each rank; ``None`` sends exactly the routed
             rows (one host sync for the split sizes), an int is sync-free (padded with
             zero rows; rows past it are dropped).
+        quantize: a recipe (``qmoe.RowWise()``, ...) to quantize high-precision ``x`` in
+            the permute's pass (the fused ``quantize=`` of ``moe_permute``): the rows are
+            read once and sent as FP8, bit for bit ``dispatch(qmoe.quantize(x, recipe),
+            ...)``.
 
     Returns ``(expert_input [R, H], tokens_per_local_expert [L] int64, handle)``:
     ``expert_input`` holds local expert 0's rows, then expert 1's, ... (with ``capacity``,
-    zero padding rows follow them); it has ``x``'s type.
+    zero padding rows follow them); it has ``x``'s type (the recipe's with ``quantize``).
     """
     if routing_map.dim() != 2:
         raise ValueError(f"dispatch: routing_map must be [T, E], got {tuple(routing_map.shape)}")
@@ -193,6 +200,9 @@ def dispatch(
     if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int)
                                  or capacity < 0):
         raise ValueError(f"dispatch: capacity must be a non-negative int, got {capacity!r}")
+    if quantize is not None and isinstance(x, QuantizedTensor):
+        raise TypeError(f"dispatch: x is already quantized ({type(x).__name__}); pass it "
+                        "without quantize=, or pass the high-precision tokens")
     dev = x.device
     mask = routing_map != 0
     counts = mask.sum(0)  # (E,) int64
@@ -205,14 +215,17 @@ def dispatch(
         recv_splits = [sum(recv[j * num_local_experts:(j + 1) * num_local_experts])
                        for j in range(world)]
         n = sum(send_splits)
-        out, rid = moe_permute(x, mask, n)
+        out, rid = moe_permute(x, mask, n, quantize=quantize)
         sizes = recv_counts
         order, inverse = _group_order(world, num_local_experts, dev, pad=False)
     else:
         c = capacity
         rid = _capacity_map(mask, counts, world, num_local_experts, c)
         n = world * c
-        out, _ = torch.ops.qmoe.permute(x, rid, None, n)
+        if quantize is None:
+            out, _ = torch.ops.qmoe.permute(x, rid, None, n)
+        else:
+            out = quantize_permute_by_map(x, rid, n, quantize)
         kept = _kept_counts(counts, world, num_local_experts, c)
         recv_kept = _counts_a2a(kept, group).view(world, num_local_experts)
         pads = c - recv_kept.sum(1, keepdim=True)
@@ -282,16 +295,19 @@ class TokenDispatcher(torch.nn.Module):
     then ``y = d.combine(expert_out)``. Holds the last dispatch's handle between the two
     calls (per instance; use one instance per in-flight micro-batch)."""
 
-    def __init__(self, num_local_experts: int, group=None, capacity: int | None = None):
+    def __init__(self, num_local_experts: int, group=None, capacity: int | None = None,
+                 quantize: Recipe | None = None):
         super().__init__()
         self.num_local_experts = num_local_experts
         self.group = group
         self.capacity = capacity
+        self.quantize = quantize
         self._handle: DispatchHandle | None = None
 
     def dispatch(self, x, probs, routing_map):
         out, tpe, self._handle = dispatch(
-            x, probs, routing_map, self.num_local_experts, self.group, capacity=self.capacity
+            x, probs, routing_map, self.num_local_experts, self.group, capacity=self.capacity,
+            quantize=self.quantize,
         )
         return out, tpe
 

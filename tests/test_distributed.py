@@ -333,3 +333,41 @@ def test_dispatch_refuses_expert_ids_as_a_mask():
     ids = torch.randint(0, 2 * L, (6, 2))
     with pytest.raises(ValueError, match=r"dispatch: routing_map .* other than 0 and 1"):
         dispatch(x, None, ids, L)
+
+
+def _fused_quantize_worker(rank, world, port, seed):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=120))
+    try:
+        x, mask, probs = _inputs(seed, world, "random")[rank]
+        for name in ("blockwise", "mxfp8", "pertensor"):
+            recipe = RECIPES[name]
+            for cap in (None, 4):
+                xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+                fused, tpe_a, ha = dispatch(xa, probs, mask, L, capacity=cap, quantize=recipe)
+                two, tpe_b, hb = dispatch(qmoe.quantize(xb, recipe), probs, mask, L,
+                                          capacity=cap)
+                assert type(fused) is type(two) and torch.equal(tpe_a, tpe_b), (name, cap)
+                assert torch.equal(fused.qdata.view(torch.uint8), two.qdata.view(torch.uint8))
+                assert torch.equal(fused.raw_scale, two.raw_scale), (name, cap)
+                ya, yb = combine(fused.dequantize(), ha), combine(two.dequantize(), hb)
+                assert torch.equal(ya, yb)
+                ya.float().square().sum().backward()
+                yb.float().square().sum().backward()
+                assert torch.equal(xa.grad, xb.grad), (name, cap)
+        try:
+            dispatch(qmoe.quantize(x, qmoe.RowWise()), probs, mask, L, quantize=qmoe.RowWise())
+            raise AssertionError("dispatch quantized a quantized x")
+        except TypeError as err:
+            assert "x is already quantized" in str(err)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_dispatch_fused_quantize_matches_quantize_then_dispatch():
+    """``dispatch(x, ..., quantize=recipe)`` (the quantize in the permute's pass, both the
+    exact-split and the capacity form) sends bit for bit what ``dispatch(quantize(x))``
+    sends; the merged output and x's gradient are the same."""
+    seed = int(os.environ.get("QMOE_SEED", int.from_bytes(os.urandom(4), "little")))
+    print(f"[qmoe] distributed seed={seed}")
+    mp.spawn(_fused_quantize_worker, args=(2, _free_port(), seed), nprocs=2, join=True)

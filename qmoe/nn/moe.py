@@ -13,8 +13,9 @@ One forward:
    gets nothing from that expert). Without it nothing is dropped;
 3. dispatch: ``moe_permute_and_pad_with_probs(x, ..., quantize=recipe)``: each token row
    quantized once and written to its experts' groups, each group padded to
-   ``align_size`` rows; with ``process_group``, ``qmoe.distributed.dispatch`` sends the
-   quantized rows to the experts' ranks;
+   ``align_size`` rows; with ``process_group``, ``qmoe.distributed.dispatch(...,
+   quantize=recipe)`` quantizes in its permute's pass and sends the FP8 rows to the
+   experts' ranks;
 4. experts: ``grouped_mm`` (gate and up, ``[L, H, 2F]``), SwiGLU, ``grouped_mm`` (down,
    ``[L, F, H]``). Where ``grouped_mm`` has an FP8 GEMM for the recipe (``PerTensor`` or
    ``RowWise`` e4m3 on Hopper, ``fp8_gemm_runs``) the dispatched FP8 rows go into it as
@@ -201,10 +202,9 @@ class MoE(torch.nn.Module):
 
     def _experts_ep(self, x, probs, routing_map):
         c = self._capacity_rows(x.shape[0])
-        inp = x if self.recipe is None else quantize(x, self.recipe)
         cap = None if c is None else self.num_local_experts * c
-        rows, tpe, handle = dispatch(inp, probs, routing_map, self.num_local_experts,
-                                     self.process_group, capacity=cap)
+        rows, tpe, handle = dispatch(x, probs, routing_map, self.num_local_experts,
+                                     self.process_group, capacity=cap, quantize=self.recipe)
         y = self._expert_ffn(rows, expert_offsets(tpe))
         return combine(y, handle)
 

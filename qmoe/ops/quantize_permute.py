@@ -158,15 +158,27 @@ def _map_in_launch(x, is_index: bool, n: int) -> bool:
             and n >= MASK_MAP_MIN_ROWS_PER_TOKEN * max(x.shape[0], 1))
 
 
+def _recipe_args(x, recipe: Recipe, scale):
+    """``(block_size, fp8_dtype, scale_mode, scale)`` of the fused ops for ``recipe``."""
+    if isinstance(recipe, PerTensor):
+        s = per_tensor_scale(x, recipe) if scale is None else scale.float().reshape(())
+        return 0, recipe.fp8_dtype, "given", s
+    return block_size_of(recipe, x.shape[-1]), recipe.fp8_dtype, recipe_scale_mode(recipe), None
+
+
+def _wrap(recipe: Recipe, q, s_out, orig_dtype, bs):
+    if isinstance(recipe, PerTensor):
+        return Float8Tensor(q, s_out, orig_dtype)
+    if isinstance(recipe, MXFP8):
+        return MXFP8Tensor(q, s_out, orig_dtype)
+    return Float8BlockwiseTensor(q, s_out, orig_dtype, bs)
+
+
 class _QuantizePermute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, probs, routing_map, is_index, align_size, n, recipe, scale):
-        if isinstance(recipe, PerTensor):
-            s = per_tensor_scale(x, recipe) if scale is None else scale.float().reshape(())
-            mode, bs = "given", 0
-        else:
-            s, mode, bs = None, recipe_scale_mode(recipe), block_size_of(recipe, x.shape[-1])
-        args = (n, bs, recipe.fp8_dtype, mode, s)
+        bs, fp8, mode, s = _recipe_args(x, recipe, scale)
+        args = (n, bs, fp8, mode, s)
         if _map_in_launch(x, is_index, n):
             q, s_out, pp, rid = ops.quantize_permute_mask(x, routing_map, probs, n,
                                                           align_size, *args[1:])
@@ -176,19 +188,38 @@ class _QuantizePermute(torch.autograd.Function):
         ctx.save_for_backward(rid)
         ctx.mark_non_differentiable(rid)
         ctx.probs_meta = None if probs is None else (tuple(probs.shape), probs.dtype)
-        if isinstance(recipe, PerTensor):
-            out = Float8Tensor(q, s_out, x.dtype)
-        elif isinstance(recipe, MXFP8):
-            out = MXFP8Tensor(q, s_out, x.dtype)
-        else:
-            out = Float8BlockwiseTensor(q, s_out, x.dtype, bs)
-        return out, pp, rid
+        return _wrap(recipe, q, s_out, x.dtype, bs), pp, rid
 
     @staticmethod
     def backward(ctx, grad_out, grad_pp, grad_rid):
         (rid,) = ctx.saved_tensors
         gx, gp = permute_grads(rid, plain_grad(grad_out), grad_pp, ctx.probs_meta)
         return gx, gp, None, None, None, None, None, None
+
+
+class _QuantizePermuteByMap(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, row_id_map, n, recipe):
+        bs, fp8, mode, s = _recipe_args(x, recipe, None)
+        q, s_out, _ = ops.quantize_permute(x, row_id_map, None, n, bs, fp8, mode, s)
+        ctx.save_for_backward(row_id_map)
+        return _wrap(recipe, q, s_out, x.dtype, bs)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (rid,) = ctx.saved_tensors
+        gx, _ = permute_grads(rid, plain_grad(grad_out), None, None)
+        return gx, None, None, None
+
+
+def quantize_permute_by_map(x: torch.Tensor, row_id_map: torch.Tensor, n, recipe: Recipe):
+    """``x [T, H]`` (high precision) quantized with ``recipe`` and moved by a given
+    ``row_id_map`` (``[T, 2*S + 1]`` int32, as ``make_row_id_map`` builds it) into ``n`` rows
+    in one pass: bit for bit ``qmoe::permute`` of ``qmoe.quantize(x, recipe)``. Rows no route
+    names are zero. Differentiable in ``x`` (the gradient merged back, high precision).
+    For callers that build their own map (``qmoe.distributed``'s capacity form). No host
+    sync."""
+    return _QuantizePermuteByMap.apply(x, row_id_map, n, recipe)
 
 
 def quantize_and_permute(fn: str, x, probs, routing_map, is_index: bool, align_size: int, n,
