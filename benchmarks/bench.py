@@ -538,8 +538,9 @@ def _kernel_shares(fn, iters: int = 5) -> dict:
 
 
 def moe_layer_main(a) -> None:
-    """``qmoe.nn.MoE`` forward + backward, bf16 and FP8 ``RowWise``, beside the same layer
-    in plain PyTorch (issue: qmoe.nn.MoE).
+    """``qmoe.nn.MoE`` forward + backward, bf16 and FP8 ``RowWise`` (weights quantized in
+    the step, or given by ``layer.quantize_weights()``: ``rowwise_prequantized``), beside
+    the same layer in plain PyTorch (issue: qmoe.nn.MoE).
 
         python -m benchmarks bench moe_layer [--shapes dsv3_ep8,qwen3,small] [--out m.json]
 
@@ -559,10 +560,11 @@ def moe_layer_main(a) -> None:
         t, h, f, e, k = LAYER_SHAPES[name]
         x0 = torch.randn(t, h, device="cuda").bfloat16()
         g = torch.randn(t, h, device="cuda").bfloat16()
-        for mode in ("torch", "bf16", "rowwise"):
+        for mode in ("torch", "bf16", "rowwise", "rowwise_prequantized"):
             torch.manual_seed(0)
-            layer = MoE(h, f, e, k, qmoe.RowWise() if mode == "rowwise" else None,
+            layer = MoE(h, f, e, k, qmoe.RowWise() if mode.startswith("rowwise") else None,
                         device="cuda", param_dtype=torch.bfloat16)
+            wq = layer.quantize_weights() if mode == "rowwise_prequantized" else None
             params = (layer.router.weight, layer.w_gate_up, layer.w_down)
             x = x0.clone().requires_grad_()
 
@@ -571,8 +573,8 @@ def moe_layer_main(a) -> None:
                     out = torch_moe_layer(x, *params, k)
                     torch.autograd.grad(out, (x, *params), g)
             else:
-                def step(x=x, layer=layer, params=params, g=g):
-                    out, _ = layer(x)
+                def step(x=x, layer=layer, params=params, g=g, wq=wq):
+                    out, _ = layer(x, weights_fp8=wq)
                     torch.autograd.grad(out, (x, *params), g)
 
             def router_step(x=x, layer=layer):
@@ -594,7 +596,7 @@ def moe_layer_main(a) -> None:
                 r["error"] = f"OutOfMemoryError: {str(err)[:120]}"
             rows_out.append(r)
             print(r, file=sys.stderr, flush=True)
-            del layer, params, x
+            del layer, params, x, wq
             torch.cuda.empty_cache()
     write_json(a.out, {"bench": "moe_layer", "env": env_info(), "results": rows_out})
 

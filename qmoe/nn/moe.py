@@ -51,7 +51,7 @@ from qmoe.ops import (
     moe_unpermute,
     tokens_per_expert,
 )
-from qmoe.ops.grouped_mm import fp8_gemm_runs
+from qmoe.ops.grouped_mm import ExpertWeightsFP8, fp8_gemm_runs, quantize_expert_weights
 from qmoe.tensors import MXFP8, Blockwise, PerTensor, RowWise, quantize
 
 __all__ = ["MoE", "MoERouting"]
@@ -174,20 +174,31 @@ class MoE(torch.nn.Module):
             return None
         return _ceil_frac(t * self.top_k, *self.capacity)
 
-    def _expert_ffn(self, rows, offs):
+    @torch.no_grad()
+    def quantize_weights(self) -> tuple[ExpertWeightsFP8, ExpertWeightsFP8]:
+        """The expert weights as the FP8 GEMMs take them, ``(gate_up, down)``
+        (``qmoe.quantize_expert_weights`` of their bf16 values): pass them to ``forward``
+        to skip the per-call weight quantization, e.g. once per optimizer step under
+        gradient accumulation. Stale after the weights change."""
+        dt = self.compute_dtype
+        return (quantize_expert_weights(self.w_gate_up.to(dt)),
+                quantize_expert_weights(self.w_down.to(dt)))
+
+    def _expert_ffn(self, rows, offs, wq):
         """SwiGLU experts on grouped rows ``[N, H]`` (bf16 or FP8) -> ``[N, H]`` bf16."""
         dt = self.compute_dtype
-        h = grouped_mm(rows, self.w_gate_up.to(dt), offs)  # [N, 2F]
+        wq_gu, wq_d = (None, None) if wq is None else wq
+        h = grouped_mm(rows, self.w_gate_up.to(dt), offs, weight_fp8=wq_gu)  # [N, 2F]
         f = self.ffn
         act = F.silu(h[:, :f]) * h[:, f:]  # [N, F] bf16
         if self.recipe is not None and fp8_gemm_runs(self.recipe, act.device):
             act = quantize(act, self.recipe)
-        return grouped_mm(act, self.w_down.to(dt), offs)  # [N, H]
+        return grouped_mm(act, self.w_down.to(dt), offs, weight_fp8=wq_d)  # [N, H]
 
-    def _experts(self, x, probs, routing_map):
+    def _experts(self, x, probs, routing_map, wq=None):
         """``x [T, H]`` through dispatch, experts and merge -> ``[T, H]``."""
         if self.process_group is not None:
-            return self._experts_ep(x, probs, routing_map)
+            return self._experts_ep(x, probs, routing_map, wq)
         t, e, a = x.shape[0], self.num_experts, self.align_size
         if not self.static_shapes:
             n = None
@@ -198,20 +209,23 @@ class MoE(torch.nn.Module):
         rows, _, rid, _, _ = moe_permute_and_pad_with_probs(
             x, probs, routing_map, None, a, num_out_tokens=n, quantize=self.recipe)
         offs = expert_offsets(tokens_per_expert(routing_map, n, align_size=a))
-        return moe_unpermute(self._expert_ffn(rows, offs), rid, probs)
+        return moe_unpermute(self._expert_ffn(rows, offs, wq), rid, probs)
 
-    def _experts_ep(self, x, probs, routing_map):
+    def _experts_ep(self, x, probs, routing_map, wq):
         c = self._capacity_rows(x.shape[0])
         cap = None if c is None else self.num_local_experts * c
         rows, tpe, handle = dispatch(x, probs, routing_map, self.num_local_experts,
                                      self.process_group, capacity=cap, quantize=self.recipe)
-        y = self._expert_ffn(rows, expert_offsets(tpe))
+        y = self._expert_ffn(rows, expert_offsets(tpe), wq)
         return combine(y, handle)
 
     # ----------------------------------------------------------------- forward
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, MoERouting]:
+    def forward(self, x: torch.Tensor, *, weights_fp8=None) -> tuple[torch.Tensor, MoERouting]:
         """``x [..., H]`` (bf16, or fp32 / fp16: cast to bf16 for the experts) ->
-        ``(out [..., H] in x's dtype, MoERouting)``. No host sync (class doc)."""
+        ``(out [..., H] in x's dtype, MoERouting)``. ``weights_fp8``: optional
+        ``self.quantize_weights()``, read by the FP8 GEMMs instead of quantizing the
+        weights in the call (the weight gradients still reach the parameters). No host
+        sync (class doc)."""
         if x.shape[-1] != self.hidden:
             raise ValueError(f"MoE: x must be [..., H={self.hidden}], got {tuple(x.shape)}")
         lead = x.shape[:-1]
@@ -225,9 +239,9 @@ class MoE(torch.nn.Module):
         xc = x2.to(self.compute_dtype)
         if self.recompute:
             out = torch.utils.checkpoint.checkpoint(self._experts, xc, probs, routing_map,
-                                                    use_reentrant=False)
+                                                    weights_fp8, use_reentrant=False)
         else:
-            out = self._experts(xc, probs, routing_map)
+            out = self._experts(xc, probs, routing_map, weights_fp8)
         tpe = routing_map.sum(0, dtype=torch.int32)
         return (out.to(x.dtype).reshape(*lead, self.hidden),
                 MoERouting(probs, routing_map, r.scores, tpe))

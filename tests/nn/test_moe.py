@@ -219,3 +219,23 @@ def test_compile_dynamic_tokens_no_recompile(name):
         assert sqnr_db(ex, cx) > FLOORS[name] + 5
         assert sqnr_db(ew, cw) > FLOORS[name] + 5
     assert _count_compiles() - before == 1
+
+
+@pytest.mark.parametrize("name", ["bf16", "rowwise"])
+def test_prequantized_weights_are_bit_identical(name):
+    """``forward(x, weights_fp8=layer.quantize_weights())`` gives what quantizing in the
+    call gives (the FP8 GEMMs read the given bits on Hopper; other paths ignore them),
+    output and every gradient, with and without recompute."""
+    x0 = torch.randn(29, 64, device=DEV).bfloat16()
+
+    def run(pre, recompute):
+        layer = _layer(recipe=RECIPES[name], recompute=recompute)
+        x = x0.clone().requires_grad_()
+        out, _ = layer(x, weights_fp8=layer.quantize_weights() if pre else None)
+        out.float().square().sum().backward()
+        return (out, *_grads(layer, x))
+
+    want = run(False, False)
+    for got in (run(True, False), run(True, True)):
+        for a, b in zip(got, want):
+            assert_same_bits(a, b)
