@@ -483,6 +483,7 @@ LAYER_SHAPES = {  # name: (tokens, hidden, expert FFN width, experts, top-k)
     "dsv3_ep8": (4096, 7168, 2048, 32, 8),  # 32,768 routed rows: the grouped_mm dsv3 shape
     "qwen3": (8192, 4096, 1536, 128, 8),
     "small": (256, 4096, 1536, 64, 8),
+    "cpu": (1024, 1024, 512, 8, 2),  # the CPU run's default (C++ kernels, bf16 GEMMs)
 }
 # qmoe kernels (Triton) by name; the GEMM kernels by their libraries' names
 _QMOE_KERNELS = ("permute", "quantize", "unpermute", "gather", "scatter", "zero_rows",
@@ -491,7 +492,8 @@ _GEMM_KERNELS = ("gemm", "cutlass", "nvjet", "xmma", "cublas", "sm90_", "grouped
 
 
 def moe_layer_args(p) -> None:
-    p.add_argument("--shapes", default=",".join(LAYER_SHAPES))
+    p.add_argument("--shapes", default=None,
+                   help="default: every GPU shape on CUDA, 'cpu' on the CPU")
     p.add_argument("--out", default=None)
 
 
@@ -544,26 +546,29 @@ def moe_layer_main(a) -> None:
 
         python -m benchmarks bench moe_layer [--shapes dsv3_ep8,qwen3,small] [--out m.json]
 
+    On the CPU (shape ``cpu``): GPU-only parts (kernel split, graph replay) are left out.
+
     Per shape and mode: the median GPU time of one step (``do_bench``), the eager host
     time per step (``host_us``), the CUDA-graph replay time, the router's share (its own
     forward + backward timed alone) and the kernel time split into qmoe's kernels,
     GEMMs and the rest (torch.profiler). bf16 parameters (no per-step weight cast; a
     framework's mixed-precision wrapper would cast fp32 master weights once per step).
     """
-    if not torch.cuda.is_available():
-        print("bench moe_layer: needs CUDA, skipped")
-        return
     from qmoe.nn import MoE
 
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+
     rows_out = []
-    for name in a.shapes.split(","):
+    shapes = a.shapes or (",".join(s for s in LAYER_SHAPES if s != "cpu") if dev == "cuda"
+                          else "cpu")
+    for name in shapes.split(","):
         t, h, f, e, k = LAYER_SHAPES[name]
-        x0 = torch.randn(t, h, device="cuda").bfloat16()
-        g = torch.randn(t, h, device="cuda").bfloat16()
+        x0 = torch.randn(t, h, device=dev).bfloat16()
+        g = torch.randn(t, h, device=dev).bfloat16()
         for mode in ("torch", "bf16", "rowwise", "rowwise_prequantized"):
             torch.manual_seed(0)
             layer = MoE(h, f, e, k, qmoe.RowWise() if mode.startswith("rowwise") else None,
-                        device="cuda", param_dtype=torch.bfloat16)
+                        device=dev, param_dtype=torch.bfloat16)
             wq = layer.quantize_weights() if mode == "rowwise_prequantized" else None
             params = (layer.router.weight, layer.w_gate_up, layer.w_down)
             x = x0.clone().requires_grad_()
@@ -587,17 +592,19 @@ def moe_layer_main(a) -> None:
                 r["fwd_bwd_ms"] = round(median_ms(step), 4)
                 r["host_us"] = round(host_us(step, 50), 1)
                 r["router_ms"] = round(median_ms(router_step), 4)
-                r.update(_kernel_shares(step))
-                try:
-                    r["graph_ms"] = round(graph_median_ms(step), 4)
-                except Exception as err:  # noqa: BLE001 (reported, not fatal)
-                    r["graph_ms"] = f"{type(err).__name__}: {str(err)[:120]}"
+                if dev == "cuda":
+                    r.update(_kernel_shares(step))
+                    try:
+                        r["graph_ms"] = round(graph_median_ms(step), 4)
+                    except Exception as err:  # noqa: BLE001 (reported, not fatal)
+                        r["graph_ms"] = f"{type(err).__name__}: {str(err)[:120]}"
             except torch.OutOfMemoryError as err:
                 r["error"] = f"OutOfMemoryError: {str(err)[:120]}"
             rows_out.append(r)
             print(r, file=sys.stderr, flush=True)
             del layer, params, x, wq
-            torch.cuda.empty_cache()
+            if dev == "cuda":
+                torch.cuda.empty_cache()
     write_json(a.out, {"bench": "moe_layer", "env": env_info(), "results": rows_out})
 
 
