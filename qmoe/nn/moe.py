@@ -191,7 +191,7 @@ class MoE(torch.nn.Module):
         h = grouped_mm(rows, self.w_gate_up.to(dt), offs, weight_fp8=wq_gu)  # [N, 2F]
         f = self.ffn
         act = F.silu(h[:, :f]) * h[:, f:]  # [N, F] bf16
-        if self.recipe is not None and fp8_gemm_runs(self.recipe, act.device):
+        if self.recipe is not None and fp8_gemm_runs(self.recipe, act.device, f, self.hidden):
             act = quantize(act, self.recipe)
         return grouped_mm(act, self.w_down.to(dt), offs, weight_fp8=wq_d)  # [N, H]
 

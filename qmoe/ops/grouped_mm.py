@@ -9,7 +9,8 @@ Paths, chosen from the inputs, never by a fallback warning:
 
 * **FP8 row-wise** (rows with one scale per row: a ``Float8Tensor``, whose per-tensor
   scale serves every row, or a ``Float8BlockwiseTensor`` whose one block spans the row;
-  e4m3; CUDA of compute capability 9.x): ``torch._scaled_grouped_mm`` on the rows' fp8
+  e4m3; CUDA of compute capability 9.x; K and M multiples of 16):
+  ``torch._scaled_grouped_mm`` (through ``qmoe::rowwise_grouped_mm``) on the rows' fp8
   bits and scales as they are, the weights quantized per expert and output column in the
   call (e4m3, ``scale = max(amax, 1e-12) / 448``; one quantize launch after a transposing
   copy). Backward: the input gradient in FP8 (the gradient
@@ -36,31 +37,39 @@ import torch
 import torch.nn.functional as F
 
 from qmoe._intmath import next_pow2
+from qmoe._library import define
 from qmoe.ops import checks as C
-from qmoe.tensors.base import QuantizedTensor
+from qmoe.tensors.base import QuantizedTensor, register_passthrough
 from qmoe.tensors.recipes import PerTensor, RowWise
 from qmoe.tensors.types import Float8BlockwiseTensor, Float8Tensor
 
 __all__ = ["grouped_mm", "quantize_expert_weights", "ExpertWeightsFP8", "fp8_gemm_runs"]
 
 _E4M3 = torch.float8_e4m3fn
+_FP8_ALIGN = 16  # FP8 GEMM operands: rows of a multiple of 16 bytes (K and M in elements)
 
 
-def fp8_gemm_runs(recipe, device: torch.device | str) -> bool:
+def fp8_gemm_runs(recipe, device: torch.device | str, k: int | None = None,
+                  m: int | None = None) -> bool:
     """Whether ``grouped_mm`` runs its FP8 GEMM for rows quantized with ``recipe`` on
     ``device`` (module doc): ``PerTensor`` or ``RowWise``, e4m3, CUDA of compute capability
-    9.x. For other recipes quantizing the rows before ``grouped_mm`` saves no GEMM time."""
+    9.x, and (when given) K and M multiples of 16 (the FP8 GEMM reads 16-byte rows). For
+    other recipes quantizing the rows before ``grouped_mm`` saves no GEMM time."""
     device = torch.device(device)
     if not isinstance(recipe, (PerTensor, RowWise)) or recipe.fp8_dtype != _E4M3:
+        return False
+    if (k is not None and k % _FP8_ALIGN) or (m is not None and m % _FP8_ALIGN):
         return False
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
-def _rowwise_fp8(rows) -> bool:
+def _rowwise_fp8(rows, m: int) -> bool:
     """Whether ``rows`` take the FP8 row-wise path (module doc)."""
     if not isinstance(rows, (Float8Tensor, Float8BlockwiseTensor)) or not rows.is_cuda:
         return False
     if rows.fp8_dtype != _E4M3 or torch.cuda.get_device_capability(rows.device)[0] != 9:
+        return False
+    if rows.shape[-1] % _FP8_ALIGN or m % _FP8_ALIGN:
         return False
     return rows.block_size is None or rows.block_size >= rows.shape[-1]
 
@@ -136,15 +145,37 @@ def _zero_tail(out: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     return torch.where(rows < offsets[-1], out, 0)
 
 
-def _fp8_forward(rows, weight, offsets, wq) -> torch.Tensor:
+@define("rowwise_grouped_mm(Tensor rows, Tensor b_t, Tensor b_scale, Tensor offsets) -> Tensor")
+def _rowwise_grouped_mm(rows, b_t, b_scale, offsets):
+    """``[N, M]`` bf16: ``torch._scaled_grouped_mm`` of row-wise FP8 ``rows [N, K]`` and
+    e4m3 weights ``b_t [E, M, K]`` with fp32 ``b_scale [E, M]``. Quantized rows reach the
+    passthrough rule below intact (so a quantized tensor made inside a compiled region needs
+    no attribute access by Dynamo); plain rows are quantized per row here first."""
+    a, a_scale = _quantize_last(rows)
+    return torch._scaled_grouped_mm(a, b_t.transpose(-2, -1), a_scale, b_scale, offsets,
+                                    out_dtype=torch.bfloat16)
+
+
+@_rowwise_grouped_mm.register_fake
+def _(rows, b_t, b_scale, offsets):
+    return rows.new_empty((rows.shape[0], b_t.shape[1]), dtype=torch.bfloat16)
+
+
+@register_passthrough(torch.ops.qmoe.rowwise_grouped_mm.default)
+def _rowwise_grouped_mm_quantized(func, args, kwargs):
+    rows, b_t, b_scale, offsets = args
     a, a_scale = _row_scales(rows)
+    return torch._scaled_grouped_mm(a, b_t.transpose(-2, -1), a_scale, b_scale, offsets,
+                                    out_dtype=torch.bfloat16)
+
+
+def _fp8_forward(rows, weight, offsets, wq) -> torch.Tensor:
     # weights [E, K, M] per expert and output column: quantized along K, column-major
     if wq is None:
         b, b_scale = _quantize_last(weight.transpose(-2, -1))  # [E, M, K] contiguous
     else:
         b, b_scale = wq
-    return torch._scaled_grouped_mm(a, b.transpose(-2, -1), a_scale, b_scale, offsets,
-                                    out_dtype=torch.bfloat16)
+    return torch.ops.qmoe.rowwise_grouped_mm(rows, b, b_scale, offsets)
 
 
 def _fp8_input_grad(grad, weight, offsets, wq) -> torch.Tensor:
@@ -261,7 +292,7 @@ def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, 
     if weight_fp8 is not None:
         _check_weight_fp8(fn, weight, weight_fp8)
         wq = tuple(weight_fp8)
-    return _GroupedMM.apply(rows, weight, offsets, _rowwise_fp8(rows), *wq)
+    return _GroupedMM.apply(rows, weight, offsets, _rowwise_fp8(rows, weight.shape[2]), *wq)
 
 
 def _check_weight_fp8(fn, weight, wq) -> None:

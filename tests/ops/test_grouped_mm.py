@@ -255,3 +255,29 @@ def test_weight_fp8_bad_input():
         qmoe.grouped_mm(r, w, o, weight_fp8=(w, w))
     with pytest.raises(TypeError, match="weight must be a plain"):
         qmoe.quantize_expert_weights(w[0])
+
+
+@pytest.mark.skipif(not HOPPER, reason="the FP8 grouped GEMM runs on compute capability 9.x")
+def test_rowwise_grouped_mm_op():
+    """``qmoe::rowwise_grouped_mm`` (the FP8 forward, quantized rows through its passthrough
+    rule): opcheck on plain rows; quantized rows give what the plain op gives for rows
+    quantized the same way."""
+    counts, k, m = [20, 0, 45], 64, 32
+    rows = torch.randn(70, k, device=DEV).bfloat16()
+    wq = qmoe.quantize_expert_weights((torch.randn(3, k, m, device=DEV) / 8).bfloat16())
+    args = (rows, wq.fwd_bits, wq.fwd_scale, _offsets(counts))
+    torch.library.opcheck(torch.ops.qmoe.rowwise_grouped_mm.default, args)
+    got = torch.ops.qmoe.rowwise_grouped_mm(qmoe.quantize(rows, qmoe.RowWise()), *args[1:])
+    assert_same_bits(got[:65], torch.ops.qmoe.rowwise_grouped_mm(*args)[:65])
+
+
+@pytest.mark.skipif(not HOPPER, reason="the FP8 grouped GEMM runs on compute capability 9.x")
+def test_fp8_path_needs_16_byte_rows():
+    """K or M not a multiple of 16: the rows are dequantized (the high-precision path), bit
+    for bit what dequantized rows give."""
+    counts, k, m = [7, 9], 136, 24
+    q = qmoe.quantize(torch.randn(16, k, device=DEV).bfloat16(), qmoe.RowWise())
+    w = (torch.randn(2, k, m, device=DEV) / 8).bfloat16()
+    offs = _offsets(counts)
+    assert_same_bits(qmoe.grouped_mm(q, w, offs),
+                     qmoe.grouped_mm(q.dequantize(torch.bfloat16), w, offs))
