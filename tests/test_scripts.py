@@ -209,7 +209,7 @@ def test_every_benchmark_command_prints_its_help():
     """Each subcommand's ``--help`` (its docstring: what it measures, and its options), the
     groups' and the top level's, and the two scripts that run on their own."""
     build_parser, commands = _cli()
-    assert len(commands) == 16, commands  # 4 bench, 7 sweep, 4 profile, table
+    assert len(commands) == 17, commands  # 5 bench, 7 sweep, 4 profile, table
     for argv in [[], ["bench"], ["sweep"], ["profile"], *commands]:
         _, code, text = _parse(build_parser(), [*argv, "--help"])
         assert code == 0 and text.startswith(f"usage: python -m benchmarks {' '.join(argv)}"), (
