@@ -137,18 +137,18 @@ def main(argv: list[str] | None = None) -> int:
     curves, ms = {}, {}
     for name, recipe in runs.items():
         curves[name], ms[name] = train(recipe, a, dev, teacher)
-        if recipe is not None:
-            fp8 = fp8_gemm_runs(recipe, dev)
-            name_gemm = "FP8 GEMMs" if fp8 else "bf16 GEMMs"
-        else:
-            name_gemm = "bf16 GEMMs"
+        h, f = a.hidden, a.ffn
+        fp8 = [recipe is not None and fp8_gemm_runs(recipe, dev, *km)
+               for km in ((h, 2 * f), (f, h))]  # gate-up, down
+        name_gemm = {(True, True): "FP8 GEMMs", (True, False): "FP8 gate-up, bf16 down",
+                     (False, True): "bf16 gate-up, FP8 down"}.get(tuple(fp8), "bf16 GEMMs")
         print(f"  trained {name:<22} {ms[name]:8.2f} ms/step ({name_gemm})", flush=True)
     names = list(curves)
     head = f"{'step':>6}" + "".join(f"{n[:20]:>22}" for n in names)
     print(head)
     print("-" * len(head))
     every = max(1, a.steps // 10)
-    for s in list(range(0, a.steps, every)) + [a.steps - 1]:
+    for s in sorted(set(range(0, a.steps, every)) | {a.steps - 1}):
         print(f"{s + 1:>6}" + "".join(f"{curves[n][s]:>22.4f}" for n in names))
     tail = max(1, a.steps // 10)
     final = {n: sum(c[-tail:]) / tail for n, c in curves.items()}

@@ -41,7 +41,7 @@ from qmoe.ops.launch import num_slots
 from qmoe.ops.quantize_permute import quantize_permute_by_map
 from qmoe.ops.row_id_map import compact_routes
 from qmoe.tensors.base import QuantizedTensor, register_passthrough
-from qmoe.tensors.recipes import Recipe
+from qmoe.tensors.recipes import MXFP8, Blockwise, PerTensor, Recipe, RowWise
 
 __all__ = ["dispatch", "combine", "DispatchHandle", "TokenDispatcher", "wire_bytes_per_row"]
 
@@ -200,6 +200,9 @@ def dispatch(
     if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int)
                                  or capacity < 0):
         raise ValueError(f"dispatch: capacity must be a non-negative int, got {capacity!r}")
+    if quantize is not None and not isinstance(quantize, (PerTensor, Blockwise, RowWise, MXFP8)):
+        raise TypeError("dispatch: quantize must be None or qmoe.PerTensor(), qmoe.Blockwise(), "
+                        f"qmoe.RowWise() or qmoe.MXFP8(), got {quantize!r}")
     if quantize is not None and isinstance(x, QuantizedTensor):
         raise TypeError(f"dispatch: x is already quantized ({type(x).__name__}); pass it "
                         "without quantize=, or pass the high-precision tokens")

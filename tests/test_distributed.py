@@ -355,11 +355,14 @@ def _fused_quantize_worker(rank, world, port, seed):
                 ya.float().square().sum().backward()
                 yb.float().square().sum().backward()
                 assert torch.equal(xa.grad, xb.grad), (name, cap)
-        try:
-            dispatch(qmoe.quantize(x, qmoe.RowWise()), probs, mask, L, quantize=qmoe.RowWise())
-            raise AssertionError("dispatch quantized a quantized x")
-        except TypeError as err:
-            assert "x is already quantized" in str(err)
+        for bad, msg in ((qmoe.quantize(x, qmoe.RowWise()), "x is already quantized"),
+                         (x, "quantize must be None or qmoe.PerTensor()")):
+            try:
+                dispatch(bad, probs, mask, L, quantize=qmoe.RowWise() if bad is not x
+                         else "rowwise")
+                raise AssertionError(f"dispatch took bad input ({msg})")
+            except TypeError as err:
+                assert msg in str(err), err
     finally:
         dist.destroy_process_group()
 

@@ -26,11 +26,12 @@ One forward:
    ``qmoe.distributed.combine``.
 
 Host syncs: none on one rank when ``static_shapes=True`` (the default): the buffer has a
-bound of rows known from T (``T*K + E*(align_size-1)``, or ``E*C`` rounded to the
-alignment with a capacity), so the layer captures in a CUDA graph and compiles with
-``fullgraph=True`` and a dynamic T. ``static_shapes=False`` sizes the buffer exactly with
-one host sync. With ``process_group`` a capacity keeps it sync-free (every rank pair sends
-``L*C`` rows); without one, dispatch reads the split sizes once.
+bound of rows known from T (``T*K + min(E, T*K)*(align_size-1)``, rounded to the
+alignment; with a capacity, ``E * round_up(min(C, T), align_size)`` when smaller), so the
+layer captures in a CUDA graph and compiles with ``fullgraph=True`` and a dynamic T.
+``static_shapes=False`` sizes the buffer exactly with one host sync. With
+``process_group`` a capacity keeps it sync-free (every rank pair sends ``L*C`` rows);
+without one, dispatch reads the split sizes once.
 """
 
 from __future__ import annotations
@@ -62,14 +63,16 @@ _RECIPES = (PerTensor, RowWise, Blockwise, MXFP8)
 class MoERouting(NamedTuple):
     """What ``MoE.forward`` returns beside its output, for auxiliary losses and balancing."""
 
-    probs: torch.Tensor  # [T, E] fp32 router weights of the chosen experts
+    probs: torch.Tensor  # [T, E] fp32 router weights of the kept routes, 0 elsewhere
     routing_map: torch.Tensor  # [T, E] bool, the routes kept (after capacity drops)
     scores: torch.Tensor  # [T, E] fp32 softmax / sigmoid scores
     tokens_per_expert: torch.Tensor  # [E] int32 routes kept per expert (this rank's tokens)
+    chosen_map: torch.Tensor  # [T, E] bool, the router's choice (before capacity drops)
 
     def routing(self) -> Routing:
-        """As ``TopKRouter`` returns it (``load_balancing_loss`` takes this)."""
-        return Routing(self.probs, self.routing_map, self.scores)
+        """The router's choice as ``TopKRouter`` returns it (the map before capacity drops,
+        so that ``load_balancing_loss`` sees the overload that capacity hides)."""
+        return Routing(self.probs, self.chosen_map, self.scores)
 
 
 def _ceil_frac(a, num: int, den: int):
@@ -123,9 +126,16 @@ class MoE(torch.nn.Module):
         if recipe is not None and not isinstance(recipe, _RECIPES):
             raise TypeError(f"MoE: recipe must be None (bf16) or one of qmoe.RowWise(), "
                             f"PerTensor(), Blockwise(), MXFP8(); got {recipe!r}")
-        if capacity_factor is not None and not capacity_factor > 0:
-            raise ValueError(f"MoE: capacity_factor must be positive (or None: dropless), "
-                             f"got {capacity_factor!r}")
+        if capacity_factor is not None and not 0 < capacity_factor < float("inf"):
+            raise ValueError(f"MoE: capacity_factor must be positive and finite (or None: "
+                             f"dropless), got {capacity_factor!r}")
+        if compute_dtype != torch.bfloat16 and not (
+                compute_dtype == torch.float32 and torch.device(device or "cpu").type == "cpu"):
+            raise TypeError(f"MoE: compute_dtype must be torch.bfloat16 (torch.float32 on the "
+                            f"CPU), got {compute_dtype}")
+        if hidden % 8 or ffn % 8:
+            raise ValueError(f"MoE: hidden ({hidden}) and ffn ({ffn}) must be multiples of 8 "
+                             "(grouped GEMMs read 16-byte rows)")
         if align_size is None:
             align_size = 1 if recipe is None else 16
         if not isinstance(align_size, int) or align_size < 1:
@@ -144,7 +154,7 @@ class MoE(torch.nn.Module):
         # guard on a symbolic T
         self.capacity = None
         if capacity_factor is not None:
-            r = Fraction(capacity_factor).limit_denominator(1 << 16) / num_experts
+            r = Fraction(capacity_factor) / num_experts  # exact: a float is a fraction
             self.capacity = (r.numerator, r.denominator)
         self.capacity_factor = capacity_factor
         self.static_shapes, self.process_group = static_shapes, process_group
@@ -192,6 +202,7 @@ class MoE(torch.nn.Module):
         f = self.ffn
         act = F.silu(h[:, :f]) * h[:, f:]  # [N, F] bf16
         if self.recipe is not None and fp8_gemm_runs(self.recipe, act.device, f, self.hidden):
+            # the down GEMM runs FP8: its input quantized with the recipe
             act = quantize(act, self.recipe)
         return grouped_mm(act, self.w_down.to(dt), offs, weight_fp8=wq_d)  # [N, H]
 
@@ -200,12 +211,13 @@ class MoE(torch.nn.Module):
         if self.process_group is not None:
             return self._experts_ep(x, probs, routing_map, wq)
         t, e, a = x.shape[0], self.num_experts, self.align_size
-        if not self.static_shapes:
-            n = None
-        elif self.capacity is None:
-            n = _round_up(t * self.top_k + e * (a - 1), a)
-        else:
-            n = e * _round_up(self._capacity_rows(t), a)
+        n = None  # static_shapes=False: the exact rows, one host sync
+        if self.static_shapes:
+            # at most min(E, T*K) groups hold routes, each padded by at most a - 1 rows
+            n = _round_up(t * self.top_k + torch.sym_min(e, t * self.top_k) * (a - 1), a)
+            if self.capacity is not None:
+                c = torch.sym_min(self._capacity_rows(t), t)  # an expert has <= T routes
+                n = torch.sym_min(n, e * _round_up(c, a))
         rows, _, rid, _, _ = moe_permute_and_pad_with_probs(
             x, probs, routing_map, None, a, num_out_tokens=n, quantize=self.recipe)
         offs = expert_offsets(tokens_per_expert(routing_map, n, align_size=a))
@@ -232,6 +244,10 @@ class MoE(torch.nn.Module):
         x2 = x.reshape(-1, self.hidden)
         r = self.router(x2)
         routing_map, probs = r.routing_map, r.probs
+        if weights_fp8 is not None and not (isinstance(weights_fp8, tuple)
+                                            and len(weights_fp8) == 2):
+            raise TypeError("MoE: weights_fp8 must be the (gate_up, down) pair "
+                            "layer.quantize_weights() returns")
         c = self._capacity_rows(x2.shape[0])
         if c is not None:  # each expert keeps its first C routes (token order)
             routing_map = routing_map & (routing_map.int().cumsum(0) <= c)
@@ -244,4 +260,4 @@ class MoE(torch.nn.Module):
             out = self._experts(xc, probs, routing_map, weights_fp8)
         tpe = routing_map.sum(0, dtype=torch.int32)
         return (out.to(x.dtype).reshape(*lead, self.hidden),
-                MoERouting(probs, routing_map, r.scores, tpe))
+                MoERouting(probs, routing_map, r.scores, tpe, r.routing_map))

@@ -43,7 +43,8 @@ class TopKRouter(torch.nn.Module):
         top_k: K, ``1 <= K <= E``.
         score: ``"softmax"`` or ``"sigmoid"`` (module doc).
         normalize: divide the chosen K weights by their sum (default: True for sigmoid,
-            False for softmax, as Mixtral-style and DeepSeek-V3 routers do).
+            as DeepSeek-V3; False for softmax, as Switch and Qwen1.5/2-MoE. Mixtral and
+            Qwen3 renormalize their softmax top-k: pass ``normalize=True``).
         scale: multiplies the weights (DeepSeek-V3's ``routed_scaling_factor``).
         num_groups, topk_groups: group-limited selection (sigmoid or softmax alike);
             ``num_groups`` must divide E, ``topk_groups * E / num_groups >= K``.
@@ -82,6 +83,9 @@ class TopKRouter(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> Routing:
         """``x [T, H]`` -> ``Routing`` (fp32 probs and scores, bool map). No host sync."""
+        if x.dim() != 2:
+            raise ValueError(f"TopKRouter: x must be [T, H] (flatten the leading dims), got "
+                             f"{tuple(x.shape)}")
         logits = F.linear(x.float(), self.weight.float())  # [T, E] fp32
         scores = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
         sel = scores.detach() if self.bias is None else scores.detach() + self.bias
@@ -115,10 +119,14 @@ class TopKRouter(torch.nn.Module):
 
 def load_balancing_loss(routing: Routing) -> torch.Tensor:
     """Switch-Transformer's auxiliary loss, ``E * sum_e f_e * P_e``: ``f_e`` the share of
-    routes to expert ``e``, ``P_e`` its mean score. 1.0 when balanced; fp32 scalar,
-    differentiable through the scores."""
+    routes to expert ``e`` (pass the map before capacity drops: ``MoERouting.routing()``
+    does), ``P_e`` its mean score, the scores normalized per token (softmax scores already
+    are; sigmoid scores are divided by their sum, as DeepSeek-V3's balance loss does). 1.0
+    when balanced; fp32 scalar, differentiable through the scores."""
     t, e = routing.scores.shape
     routes = routing.routing_map.sum().clamp_min(1)
     f = routing.routing_map.sum(0).float() / routes
-    p = routing.scores.mean(0) if t else routing.scores.sum(0)
+    s = routing.scores
+    s = s / s.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    p = s.mean(0) if t else s.sum(0)
     return e * (f * p).sum()

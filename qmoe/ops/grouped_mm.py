@@ -9,7 +9,7 @@ Paths, chosen from the inputs, never by a fallback warning:
 
 * **FP8 row-wise** (rows with one scale per row: a ``Float8Tensor``, whose per-tensor
   scale serves every row, or a ``Float8BlockwiseTensor`` whose one block spans the row;
-  e4m3; CUDA of compute capability 9.x; K and M multiples of 16):
+  e4m3; CUDA of compute capability 9.x; K and M multiples of 16, at most 16384):
   ``torch._scaled_grouped_mm`` (through ``qmoe::rowwise_grouped_mm``) on the rows' fp8
   bits and scales as they are, the weights quantized per expert and output column in the
   call (e4m3, ``scale = max(amax, 1e-12) / 448``; one quantize launch after a transposing
@@ -40,25 +40,38 @@ from qmoe._intmath import next_pow2
 from qmoe._library import define
 from qmoe.ops import checks as C
 from qmoe.tensors.base import QuantizedTensor, register_passthrough
-from qmoe.tensors.recipes import PerTensor, RowWise
+from qmoe.tensors.layouts import OP_BLOCK_SIZES
+from qmoe.tensors.recipes import Blockwise, PerTensor, RowWise
 from qmoe.tensors.types import Float8BlockwiseTensor, Float8Tensor
 
 __all__ = ["grouped_mm", "quantize_expert_weights", "ExpertWeightsFP8", "fp8_gemm_runs"]
 
 _E4M3 = torch.float8_e4m3fn
 _FP8_ALIGN = 16  # FP8 GEMM operands: rows of a multiple of 16 bytes (K and M in elements)
+_FP8_MAX_WIDTH = OP_BLOCK_SIZES[1]  # widest vector one quantize block spans (K and M)
+
+
+def _fp8_widths_ok(k: int | None, m: int | None) -> bool:
+    """K and M (when given) multiples of 16 (16-byte FP8 rows) and at most 16384 (the
+    weights and gradients are quantized with one block over the vector)."""
+    return all(w is None or (w % _FP8_ALIGN == 0 and w <= _FP8_MAX_WIDTH) for w in (k, m))
 
 
 def fp8_gemm_runs(recipe, device: torch.device | str, k: int | None = None,
                   m: int | None = None) -> bool:
-    """Whether ``grouped_mm`` runs its FP8 GEMM for rows quantized with ``recipe`` on
-    ``device`` (module doc): ``PerTensor`` or ``RowWise``, e4m3, CUDA of compute capability
-    9.x, and (when given) K and M multiples of 16 (the FP8 GEMM reads 16-byte rows). For
-    other recipes quantizing the rows before ``grouped_mm`` saves no GEMM time."""
+    """Whether ``grouped_mm`` runs its FP8 GEMM for ``[N, K]`` rows quantized with
+    ``recipe`` times ``[E, K, M]`` weights on ``device`` (module doc): one scale per row
+    (``PerTensor``, ``RowWise``, or ``Blockwise`` whose block spans K, given K), e4m3,
+    CUDA of compute capability 9.x, and (when given) K and M multiples of 16 and at most
+    16384. For other recipes quantizing the rows before ``grouped_mm`` saves no GEMM
+    time."""
     device = torch.device(device)
-    if not isinstance(recipe, (PerTensor, RowWise)) or recipe.fp8_dtype != _E4M3:
+    if getattr(recipe, "fp8_dtype", None) != _E4M3 or not _fp8_widths_ok(k, m):
         return False
-    if (k is not None and k % _FP8_ALIGN) or (m is not None and m % _FP8_ALIGN):
+    if isinstance(recipe, Blockwise):
+        if k is None or recipe.block_size < k:
+            return False
+    elif not isinstance(recipe, (PerTensor, RowWise)):
         return False
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
@@ -69,7 +82,7 @@ def _rowwise_fp8(rows, m: int) -> bool:
         return False
     if rows.fp8_dtype != _E4M3 or torch.cuda.get_device_capability(rows.device)[0] != 9:
         return False
-    if rows.shape[-1] % _FP8_ALIGN or m % _FP8_ALIGN:
+    if not _fp8_widths_ok(rows.shape[-1], m):
         return False
     return rows.block_size is None or rows.block_size >= rows.shape[-1]
 
@@ -123,6 +136,10 @@ def quantize_expert_weights(weight: torch.Tensor, *, backward: bool = True
         raise TypeError(f"{fn}: weight must be a plain [E, K, M] float tensor (the master "
                         f"weights), got {type(weight).__name__} "
                         f"{tuple(getattr(weight, 'shape', ()))}")
+    if max(weight.shape[1], weight.shape[2]) > _FP8_MAX_WIDTH:
+        raise ValueError(f"{fn}: weight is [E, K, M] = {list(weight.shape)}; the FP8 path "
+                         f"quantizes vectors of up to {_FP8_MAX_WIDTH} (K and M), so wider "
+                         "experts run in bf16 and need no FP8 weights")
     fb, fs = _quantize_last(weight.transpose(-2, -1))
     bb = bs = None
     if backward:

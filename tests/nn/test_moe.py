@@ -178,8 +178,18 @@ def test_recompute_gives_identical_gradients(name):
 def test_bad_input():
     with pytest.raises(TypeError, match="recipe must be None"):
         MoE(64, 32, 8, 2, "fp8")
-    with pytest.raises(ValueError, match="capacity_factor must be positive"):
-        MoE(64, 32, 8, 2, capacity_factor=0)
+    for cf in (0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="capacity_factor must be positive and finite"):
+            MoE(64, 32, 8, 2, capacity_factor=cf)
+    with pytest.raises(ValueError, match=r"hidden \(60\) and ffn \(32\) must be multiples of 8"):
+        MoE(60, 32, 8, 2)
+    with pytest.raises(TypeError, match="compute_dtype must be torch.bfloat16"):
+        MoE(64, 32, 8, 2, compute_dtype=torch.float16)
+    layer = _layer(recipe=qmoe.RowWise())
+    with pytest.raises(TypeError, match=r"weights_fp8 must be the \(gate_up, down\) pair"):
+        layer(torch.randn(4, 64, device=DEV), weights_fp8=layer.quantize_weights()[0])
+    with pytest.raises(ValueError, match=r"x must be \[T, H\]"):
+        layer.router(torch.randn(2, 3, 64, device=DEV))
     with pytest.raises(ValueError, match="top_k must be in"):
         MoE(64, 32, 8, 9)
     with pytest.raises(ValueError, match="num_groups"):
@@ -242,3 +252,41 @@ def test_prequantized_weights_are_bit_identical(name):
     for got in (run(True, False), run(True, True)):
         for a, b in zip(got, want):
             assert_same_bits(a, b)
+
+
+@pytest.mark.parametrize("t,e,k,cf", [(1, 64, 8, None), (40, 8, 2, 4.0), (40, 8, 2, 1e-7),
+                                      (0, 8, 2, 1.0)])
+def test_buffer_bound_and_tiny_capacity(t, e, k, cf):
+    """The sync-free buffer bound (min of the dropless bound and the capacity's) gives what
+    the exact buffer gives, bit for bit; a capacity factor too small for one route still
+    keeps each used expert's first route (C = ceil(cf * T * K / E) >= 1, exact)."""
+    x0 = torch.randn(t, 64, device=DEV).bfloat16()
+    outs = []
+    for static in (True, False):
+        layer = _layer(e=e, k=k, recipe=qmoe.RowWise(), capacity_factor=cf,
+                       static_shapes=static)
+        out, routing = layer(x0)
+        outs.append((out, routing.tokens_per_expert))
+    assert_same_bits(outs[0][0], outs[1][0])
+    assert torch.equal(outs[0][1], outs[1][1])
+    if cf == 1e-7 and t:
+        tpe = outs[0][1]
+        assert tpe.max() == 1 and (tpe > 0).sum() == routing.chosen_map.any(0).sum()
+
+
+def test_balancing_loss_sees_routes_before_capacity():
+    """``MoERouting.routing()`` gives the router's choice (before drops), so the balance
+    loss sees an expert that every token picks even when capacity keeps few of them."""
+    layer = _layer(e=4, k=2, capacity_factor=1.0, score="sigmoid", score_bias=True)
+    layer.router.bias.copy_(torch.tensor([50.0, 0, 0, 0], device=DEV))
+    _, routing = layer(torch.randn(40, 64, device=DEV).bfloat16())
+    assert routing.chosen_map[:, 0].all() and routing.tokens_per_expert[0] == 20
+    assert torch.equal(routing.routing().routing_map, routing.chosen_map)
+    s = routing.scores / routing.scores.sum(-1, keepdim=True)
+    f = routing.chosen_map.sum(0) / 80  # expert 0: half of all routes, before the drops
+    torch.testing.assert_close(load_balancing_loss(routing.routing()),
+                               4 * (f * s.mean(0)).sum())
+    balanced = qmoe.nn.Routing(routing.probs, torch.eye(4, dtype=torch.bool, device=DEV),
+                               torch.rand(4, 4, device=DEV))
+    torch.testing.assert_close(load_balancing_loss(balanced),
+                               torch.tensor(1.0, device=DEV))  # sigmoid scores normalized

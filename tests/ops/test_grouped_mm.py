@@ -281,3 +281,17 @@ def test_fp8_path_needs_16_byte_rows():
     offs = _offsets(counts)
     assert_same_bits(qmoe.grouped_mm(q, w, offs),
                      qmoe.grouped_mm(q.dequantize(torch.bfloat16), w, offs))
+
+
+def test_wide_experts_stay_off_the_fp8_path():
+    """K or M over 16384 (one quantize block spans a vector): no FP8 GEMM is chosen and
+    ``quantize_expert_weights`` says why."""
+    from qmoe.ops.grouped_mm import fp8_gemm_runs
+
+    assert not fp8_gemm_runs(qmoe.RowWise(), DEV, 4096, 28672)
+    assert not fp8_gemm_runs(qmoe.RowWise(), DEV, 136, 64)
+    assert not fp8_gemm_runs(qmoe.Blockwise(), DEV, 256, 64)  # two blocks a row
+    assert fp8_gemm_runs(qmoe.RowWise(), DEV, 4096, 4096) == HOPPER
+    assert fp8_gemm_runs(qmoe.Blockwise(), DEV, 128, 64) == HOPPER  # one block a row
+    with pytest.raises(ValueError, match="vectors of up to 16384"):
+        qmoe.quantize_expert_weights(torch.zeros(1, 16, 16400, device=DEV).bfloat16())
