@@ -36,7 +36,13 @@ import torch.distributed as dist
 
 from qmoe._library import define
 from qmoe.ops import moe_permute, moe_sort_chunks_by_index, moe_unpermute
-from qmoe.ops.checks import ID_LIMIT, MASK_FROM_IDS, check_mask_values
+from qmoe.ops.checks import (
+    ID_LIMIT,
+    MASK_FROM_IDS,
+    check_mask_values,
+    check_range,
+    check_values,
+)
 from qmoe.ops.launch import num_slots
 from qmoe.ops.quantize_permute import quantize_permute_by_map
 from qmoe.ops.row_id_map import compact_routes
@@ -166,14 +172,19 @@ def dispatch(
     *,
     capacity: int | None = None,
     quantize: Recipe | None = None,
+    map_type: str = "mask",
 ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
     """Send each token's rows to the ranks that own its experts.
 
     Args:
         x: ``[T, H]`` high precision, or a qmoe FP8 tensor (travels quantized).
-        probs: ``[T, E]`` router probs used as merging probs in ``combine`` (or None).
-        routing_map: ``[T, E]`` bool, or integer holding only 0 and 1 (other values
-            raise), over the E = W * L global experts.
+        probs: router probs used as merging probs in ``combine`` (or None): ``[T, E]``
+            with a mask, ``[T, K]`` (one per id) with an index map.
+        routing_map: ``map_type="mask"``: ``[T, E]`` bool, or integer holding only 0 and
+            1 (other values raise), over the E = W * L global experts.
+            ``map_type="index"``: ``[T, K]`` integer expert ids in ``[-1, E)``, ``-1`` =
+            no route, no id twice in a token (checked: a ``ValueError`` on CPU, an async
+            device assert on CUDA); turned into the mask (and ``[T, E]`` probs) first.
         num_local_experts: L.
         capacity: rows each rank sends to each rank; ``None`` sends exactly the routed
             rows (one host sync for the split sizes), an int is sync-free (padded with
@@ -182,15 +193,20 @@ def dispatch(
             the permute's pass (the fused ``quantize=`` of ``moe_permute``): the rows are
             read once and sent as FP8, bit for bit ``dispatch(qmoe.quantize(x, recipe),
             ...)``.
+        map_type: ``"mask"`` or ``"index"``.
 
     Returns ``(expert_input [R, H], tokens_per_local_expert [L] int64, handle)``:
     ``expert_input`` holds local expert 0's rows, then expert 1's, ... (with ``capacity``,
     zero padding rows follow them); it has ``x``'s type (the recipe's with ``quantize``).
     """
+    world = dist.get_world_size(group)
+    if map_type not in ("mask", "index"):
+        raise ValueError(f"dispatch: map_type must be 'mask' or 'index', got {map_type!r}")
+    if map_type == "index":
+        routing_map, probs = _mask_from_ids(routing_map, probs, world * num_local_experts)
     if routing_map.dim() != 2:
         raise ValueError(f"dispatch: routing_map must be [T, E], got {tuple(routing_map.shape)}")
     check_mask_values("dispatch", routing_map, MASK_FROM_IDS)
-    world = dist.get_world_size(group)
     e = routing_map.shape[1]
     if num_local_experts < 1 or e != world * num_local_experts:
         raise ValueError(
@@ -244,6 +260,32 @@ def dispatch(
         send_splits=send_splits, recv_splits=recv_splits, group=group, num_rows=n,
     )
     return grouped, tokens_per_local_expert, handle
+
+
+def _mask_from_ids(ids, probs, e: int):
+    """``[T, K]`` expert ids (and ``[T, K]`` probs) as the ``[T, E]`` mask (and probs)
+    dispatch moves by: a scatter into E + 1 columns, the last one taking the ``-1``s.
+    Differentiable in ``probs``. No host sync on CUDA."""
+    fn = "dispatch"
+    if (not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype.is_floating_point
+            or ids.dtype == torch.bool):
+        raise TypeError(f"{fn}: with map_type='index' routing_map must be [T, K] integer "
+                        f"expert ids, got {getattr(ids, 'dtype', type(ids).__name__)} "
+                        f"{tuple(getattr(ids, 'shape', ()))}")
+    if probs is not None and tuple(probs.shape) != tuple(ids.shape):
+        raise ValueError(f"{fn}: with map_type='index' probs must be [T, K] = "
+                         f"{list(ids.shape)} (one per id), got {list(probs.shape)}")
+    check_range(fn, ids, -1, e, f"routing_map ids must be >= -1 and < E={e} (world size "
+                "x num_local_experts)")
+    t = ids.shape[0]
+    col = torch.where(ids >= 0, ids, e).long()
+    mask = torch.zeros(t, e + 1, dtype=torch.bool, device=ids.device).scatter_(1, col, True)
+    mask = mask[:, :e]
+    check_values(fn, (mask.sum(1) == (ids >= 0).sum(1)).all(),
+                 "routing_map names an expert twice in a token; each id once per token")
+    if probs is not None:
+        probs = probs.new_zeros(t, e + 1).scatter(1, col, probs)[:, :e]
+    return mask, probs
 
 
 def combine(expert_output: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
