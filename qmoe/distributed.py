@@ -199,14 +199,16 @@ def dispatch(
     ``expert_input`` holds local expert 0's rows, then expert 1's, ... (with ``capacity``,
     zero padding rows follow them); it has ``x``'s type (the recipe's with ``quantize``).
     """
-    world = dist.get_world_size(group)
     if map_type not in ("mask", "index"):
         raise ValueError(f"dispatch: map_type must be 'mask' or 'index', got {map_type!r}")
-    if map_type == "index":
-        routing_map, probs = _mask_from_ids(routing_map, probs, world * num_local_experts)
+    if map_type == "index":  # (the ids' form is checked before the group is asked for E)
+        _check_ids_form(routing_map, probs)
+        e = dist.get_world_size(group) * num_local_experts
+        routing_map, probs = _mask_from_ids(routing_map, probs, e)
     if routing_map.dim() != 2:
         raise ValueError(f"dispatch: routing_map must be [T, E], got {tuple(routing_map.shape)}")
     check_mask_values("dispatch", routing_map, MASK_FROM_IDS)
+    world = dist.get_world_size(group)
     e = routing_map.shape[1]
     if num_local_experts < 1 or e != world * num_local_experts:
         raise ValueError(
@@ -262,10 +264,8 @@ def dispatch(
     return grouped, tokens_per_local_expert, handle
 
 
-def _mask_from_ids(ids, probs, e: int):
-    """``[T, K]`` expert ids (and ``[T, K]`` probs) as the ``[T, E]`` mask (and probs)
-    dispatch moves by: a scatter into E + 1 columns, the last one taking the ``-1``s.
-    Differentiable in ``probs``. No host sync on CUDA."""
+def _check_ids_form(ids, probs) -> None:
+    """An index map's form: ``[T, K]`` integer ids, ``[T, K]`` probs (or None)."""
     fn = "dispatch"
     if (not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype.is_floating_point
             or ids.dtype == torch.bool):
@@ -275,6 +275,13 @@ def _mask_from_ids(ids, probs, e: int):
     if probs is not None and tuple(probs.shape) != tuple(ids.shape):
         raise ValueError(f"{fn}: with map_type='index' probs must be [T, K] = "
                          f"{list(ids.shape)} (one per id), got {list(probs.shape)}")
+
+
+def _mask_from_ids(ids, probs, e: int):
+    """``[T, K]`` expert ids (and ``[T, K]`` probs) as the ``[T, E]`` mask (and probs)
+    dispatch moves by: a scatter into E + 1 columns, the last one taking the ``-1``s.
+    Differentiable in ``probs``. No host sync on CUDA."""
+    fn = "dispatch"
     check_range(fn, ids, -1, e, f"routing_map ids must be >= -1 and < E={e} (world size "
                 "x num_local_experts)")
     t = ids.shape[0]
