@@ -20,6 +20,7 @@ from benchmarks.common import (
     env_info,
     graph_median_ms,
     host_us,
+    kernel_breakdown,
     median_ms,
     write_json,
 )
@@ -520,22 +521,12 @@ def torch_moe_layer(x, router_w, w1, w2, k: int):
 
 def _kernel_shares(fn, iters: int = 5) -> dict:
     """GPU time (us per call) of ``fn``'s kernels: qmoe's, GEMMs', the rest's."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
     out = {"qmoe_us": 0.0, "gemm_us": 0.0, "other_us": 0.0}
-    for ev in prof.events():
-        if ev.device_type.name != "CUDA":
-            continue
-        name = ev.name.lower()
+    for name, us in kernel_breakdown(fn, iters, width=None).items():
+        name = name.lower()
         key = ("qmoe_us" if any(k in name for k in _QMOE_KERNELS) else
                "gemm_us" if any(k in name for k in _GEMM_KERNELS) else "other_us")
-        out[key] += (ev.time_range.end - ev.time_range.start) / iters
+        out[key] += us
     return {k: round(v, 1) for k, v in out.items()}
 
 

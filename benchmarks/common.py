@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import platform
 import time
+from collections import defaultdict
 
 import torch
 
@@ -182,3 +183,22 @@ def variant_recorder(rows: list, config: str, nbytes: int, copy_bw: float, width
               file=sys.stderr)
 
     return record
+
+
+def kernel_breakdown(fn, iters: int = 20, width: int | None = 60) -> dict[str, float]:
+    """CUDA time per call of each kernel ``fn`` launches (us), from the profiler; kernel
+    names cut to ``width`` characters (None: whole)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    per = defaultdict(float)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            per[ev.name[:width]] += ev.device_time / iters
+    return {k: round(v, 2) for k, v in sorted(per.items(), key=lambda kv: -kv[1])}

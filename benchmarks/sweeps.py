@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import sys
-from collections import defaultdict
 
 import torch
 import triton
@@ -23,6 +22,7 @@ from benchmarks.common import (
     env_info,
     graph_median_ms,
     int_list,
+    kernel_breakdown,
     mask_map,
     needs_cuda,
     variant_recorder,
@@ -60,24 +60,6 @@ from qmoe.tensors.kernels.quantize import quantize_rows_triton
 from qmoe.tensors.layouts import FP8_BLOCK_FP32
 
 # --- sweep map -------------------------------------------------------------------------
-
-
-def kernel_breakdown(fn, iters: int = 20) -> dict[str, float]:
-    """CUDA time per call of each kernel ``fn`` launches (us), from the profiler."""
-    from torch.profiler import ProfilerActivity, profile
-
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-    per = defaultdict(float)
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            per[ev.name[:60]] += ev.device_time / iters
-    return {k: round(v, 2) for k, v in sorted(per.items(), key=lambda kv: -kv[1])}
 
 
 def map_config(name: str, breakdown: bool = True, block_ts=(8, 16, 32),
