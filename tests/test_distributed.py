@@ -173,10 +173,7 @@ def _worker(rank, world, port, seed, cases, backend="gloo"):
     if backend == "nccl":
         torch.cuda.set_device(rank)
         dev = f"cuda:{rank}"
-    dist.init_process_group(
-        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=120),
-    )
+    init_group(rank, world, port, backend)
     try:
         for case in cases:
             _run_case(rank, world, seed, *case, dev=dev)
@@ -222,16 +219,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def init_group(rank: int, world: int, port: int, backend: str = "gloo",
+               seconds: int = 120) -> None:
+    """A worker's process group on this machine (loopback, bounded timeout)."""
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=seconds))
+
+
+def spawn_seeded(worker, world: int, *args, label: str = "distributed") -> None:
+    """``worker(rank, world, port, seed, *args)`` in ``world`` processes; the seed from
+    ``QMOE_SEED`` or fresh, printed so that a failure can be replayed."""
+    seed = int(os.environ.get("QMOE_SEED", int.from_bytes(os.urandom(4), "little")))
+    print(f"[qmoe] {label} seed={seed}")
+    mp.spawn(worker, args=(world, _free_port(), seed, *args), nprocs=world, join=True)
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_dispatch_combine_matches_single_process(world):
-    seed = int(os.environ.get("QMOE_SEED", int.from_bytes(os.urandom(4), "little")))
-    print(f"[qmoe] distributed seed={seed}")
     if world == 2:
         cases = [(n, k, c) for n in RECIPES for k in KINDS for c in (None, 9)]
     else:
         cases = [(n, k, c) for n in RECIPES for k in ("random", "all_to_last_rank")
                  for c in (None, 4)]
-    mp.spawn(_worker, args=(world, _free_port(), seed, cases), nprocs=world, join=True)
+    spawn_seeded(_worker, world, cases)
 
 
 NCCL_WORLDS = [w for w in (2, 4) if torch.cuda.device_count() >= w]
@@ -244,10 +254,8 @@ def test_dispatch_combine_over_nccl(world):
     for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                  ("NVSHMEM_DISABLE_NVLS", "1")):
         os.environ[k] = v
-    seed = int(os.environ.get("QMOE_SEED", int.from_bytes(os.urandom(4), "little")))
-    print(f"[qmoe] nccl seed={seed}")
     cases = [(n, k, c) for n in RECIPES for k in KINDS for c in (None, 9)]
-    mp.spawn(_worker, args=(world, _free_port(), seed, cases, "nccl"), nprocs=world, join=True)
+    spawn_seeded(_worker, world, cases, "nccl", label="nccl")
 
 
 # ------------------------------------------------------------------ torch.compile
@@ -280,10 +288,7 @@ def _run_block(fn, x, probs, mask, gy):
 
 
 def _compile_worker(rank, world, port, seed, names, cap):
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=120),
-    )
+    init_group(rank, world, port)
     try:
         if world == 1:  # the op quantized rows travel through: schema, fake, autograd
             for n in (6, 0):
@@ -309,10 +314,7 @@ def _compile_worker(rank, world, port, seed, names, cap):
 def test_fp8_dispatch_combine_compiles_one_rank():
     """Every FP8 recipe through dispatch + combine (capacity form, forward and backward)
     under torch.compile(fullgraph=True) on a one-rank Gloo group: bit-identical to eager."""
-    seed = int(os.environ.get("QMOE_SEED", int.from_bytes(os.urandom(4), "little")))
-    print(f"[qmoe] distributed compile seed={seed}")
-    mp.spawn(_compile_worker, args=(1, _free_port(), seed, COMPILE_RECIPES, 7), nprocs=1,
-             join=True)
+    spawn_seeded(_compile_worker, 1, COMPILE_RECIPES, 7, label="distributed compile")
 
 
 @pytest.mark.compile
@@ -320,10 +322,7 @@ def test_fp8_dispatch_combine_compiles_two_ranks():
     """The compiled capacity form over 2 Gloo ranks, per-tensor FP8 with a different scale on
     each rank (the scale all-gather and the senders' rescale run in the graph; rows, scales,
     output and gradients bit-identical to eager)."""
-    seed = int(os.environ.get("QMOE_SEED", int.from_bytes(os.urandom(4), "little")))
-    print(f"[qmoe] distributed compile seed={seed}")
-    mp.spawn(_compile_worker, args=(2, _free_port(), seed, ["pertensor"], 9), nprocs=2,
-             join=True)
+    spawn_seeded(_compile_worker, 2, ["pertensor"], 9, label="distributed compile")
 
 
 def test_dispatch_refuses_expert_ids_as_a_mask():
@@ -336,8 +335,7 @@ def test_dispatch_refuses_expert_ids_as_a_mask():
 
 
 def _fused_quantize_worker(rank, world, port, seed):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=120))
+    init_group(rank, world, port)
     try:
         x, mask, probs = _inputs(seed, world, "random")[rank]
         for name in ("blockwise", "mxfp8", "pertensor"):
@@ -371,14 +369,11 @@ def test_dispatch_fused_quantize_matches_quantize_then_dispatch():
     """``dispatch(x, ..., quantize=recipe)`` (the quantize in the permute's pass, both the
     exact-split and the capacity form) sends bit for bit what ``dispatch(quantize(x))``
     sends; the merged output and x's gradient are the same."""
-    seed = int(os.environ.get("QMOE_SEED", int.from_bytes(os.urandom(4), "little")))
-    print(f"[qmoe] distributed seed={seed}")
-    mp.spawn(_fused_quantize_worker, args=(2, _free_port(), seed), nprocs=2, join=True)
+    spawn_seeded(_fused_quantize_worker, 2)
 
 
 def _index_map_worker(rank, world, port, seed):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=120))
+    init_group(rank, world, port)
     try:
         e = world * L
         g = torch.Generator().manual_seed(seed + rank)
@@ -417,6 +412,4 @@ def test_dispatch_index_map_matches_mask():
     """``dispatch(..., map_type="index")`` with ``[T, K]`` ids (``-1`` for no route) and
     ``[T, K]`` probs moves and merges exactly what the equivalent mask does; the probs'
     gradient comes back per id; bad ids raise."""
-    seed = int(os.environ.get("QMOE_SEED", int.from_bytes(os.urandom(4), "little")))
-    print(f"[qmoe] distributed seed={seed}")
-    mp.spawn(_index_map_worker, args=(2, _free_port(), seed), nprocs=2, join=True)
+    spawn_seeded(_index_map_worker, 2)

@@ -9,18 +9,14 @@ ranks of smaller amax)."""
 
 from __future__ import annotations
 
-import datetime
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import qmoe
 from qmoe.nn import MoE
 from tests.tensors.helpers import sqnr_db
-from tests.test_distributed import _free_port
+from tests.test_distributed import init_group, spawn_seeded
 
 H, F_, K = 40, 24, 2
 RECIPES = {"bf16": None, "rowwise": qmoe.RowWise(), "pertensor": qmoe.PerTensor()}
@@ -49,8 +45,7 @@ def _assert_rounding_apart(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
 
 
 def _worker(rank, world, port, seed, cases):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=120))
+    init_group(rank, world, port)
     try:
         for name, cf in cases:
             g = torch.Generator().manual_seed(seed + rank)
@@ -94,15 +89,11 @@ def _worker(rank, world, port, seed, cases):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_ep_layer_matches_single_process(world):
-    seed = int(os.environ.get("QMOE_SEED", int.from_bytes(os.urandom(2), "little")))
-    print(f"[qmoe] distributed seed={seed}")
-    cases = [(n, cf) for n in RECIPES for cf in (None, 1.0)]
-    mp.spawn(_worker, args=(world, _free_port(), seed, cases), nprocs=world, join=True)
+    spawn_seeded(_worker, world, [(n, cf) for n in RECIPES for cf in (None, 1.0)])
 
 
 def _compile_worker(rank, world, port, seed):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=300))
+    init_group(rank, world, port, seconds=300)
     try:
         g = torch.Generator().manual_seed(seed + rank)
         x0 = torch.randn(16, H, generator=g).bfloat16()
@@ -124,6 +115,4 @@ def test_ep_layer_compiles_two_ranks():
     """The EP layer (RowWise, a capacity: sync-free) forward and backward under
     ``torch.compile(fullgraph=True)`` on 2 Gloo ranks, within the FP8 floor of eager plus a
     margin (the compiled SwiGLU skips a bf16 rounding before the quantize)."""
-    seed = int(os.environ.get("QMOE_SEED", int.from_bytes(os.urandom(2), "little")))
-    print(f"[qmoe] distributed compile seed={seed}")
-    mp.spawn(_compile_worker, args=(2, _free_port(), seed), nprocs=2, join=True)
+    spawn_seeded(_compile_worker, 2, label="distributed compile")
