@@ -51,6 +51,11 @@ _FP8_ALIGN = 16  # FP8 GEMM operands: rows of a multiple of 16 bytes (K and M in
 _FP8_MAX_WIDTH = OP_BLOCK_SIZES[1]  # widest vector one quantize block spans (K and M)
 
 
+def _sm90(device: torch.device) -> bool:
+    """CUDA of compute capability 9.x: where this torch has the row-wise FP8 grouped GEMM."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
 def _fp8_widths_ok(k: int | None, m: int | None) -> bool:
     """K and M (when given) multiples of 16 (16-byte FP8 rows) and at most 16384 (the
     weights and gradients are quantized with one block over the vector)."""
@@ -73,14 +78,14 @@ def fp8_gemm_runs(recipe, device: torch.device | str, k: int | None = None,
             return False
     elif not isinstance(recipe, (PerTensor, RowWise)):
         return False
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+    return _sm90(device)
 
 
 def _rowwise_fp8(rows, m: int) -> bool:
     """Whether ``rows`` take the FP8 row-wise path (module doc)."""
-    if not isinstance(rows, (Float8Tensor, Float8BlockwiseTensor)) or not rows.is_cuda:
+    if not isinstance(rows, (Float8Tensor, Float8BlockwiseTensor)):
         return False
-    if rows.fp8_dtype != _E4M3 or torch.cuda.get_device_capability(rows.device)[0] != 9:
+    if rows.fp8_dtype != _E4M3 or not _sm90(rows.device):
         return False
     if not _fp8_widths_ok(rows.shape[-1], m):
         return False
