@@ -78,9 +78,9 @@ def _worker(rank, world, port, seed, cases):
                     assert sqnr_db(b, a) > 14, (name, cf, i, sqnr_db(b, a))
                 elif i >= 3:  # sums over ranks of bf16 gradients, against one bf16 GEMM
                     assert sqnr_db(b, a) > 40, (name, cf, i, sqnr_db(b, a))
-                elif i == 2:  # the router's weight gradient: a CPU GEMM over T whose
-                    # thread split may differ between the two calls (last-bit differences)
-                    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+                elif i == 2:  # the router's weight gradient: through the probs' gradient
+                    # it sees the expert outputs, which may differ by a bf16 rounding
+                    assert sqnr_db(b, a) > 40, (name, cf, i, sqnr_db(b, a))
                 else:  # bf16 out and x gradient: one bf16 rounding apart at most
                     _assert_rounding_apart(a, b, f"{name} cf={cf} pair {i}")
     finally:
