@@ -24,6 +24,7 @@ from benchmarks.common import (
     median_ms,
     write_json,
 )
+from qmoe.ops.grouped_mm import _quantize_last
 from qmoe.ops.kernels.sort_chunks import sort_chunks_triton
 from qmoe.tensors.quantize import quantize_reference
 
@@ -453,6 +454,18 @@ def grouped_mm_main(a) -> None:
             g = torch.randn(n, m, device="cuda").bfloat16()
             flop = 2 * n * k * m
             wq = qmoe.quantize_expert_weights(w)
+            # the weights' quantization alone, each layout, against a copy of its bytes
+            # (read bf16, write e4m3: 3 bytes an element)
+            copy_ms = same_bytes_copy_ms(3 * w.numel())
+            for layout, wt in (("fwd", w.detach().transpose(-2, -1)), ("bwd", w.detach())):
+                ms_q = median_ms(lambda wt=wt: _quantize_last(wt))
+                r = {"shape": name, "gemm": gemm, "E": e, "K": k, "M": m,
+                     "mode": f"weight_quantize_{layout}", "ms": round(ms_q, 4),
+                     "pct_of_copy": round(100 * copy_ms / ms_q, 1) if copy_ms else None,
+                     "kernels_us": kernel_breakdown(lambda wt=wt: _quantize_last(wt), 3,
+                                                    width=90)}
+                rows_out.append(r)
+                print(r, file=sys.stderr, flush=True)
             for mode in ("bf16", "fp8", "fp8_prequantized"):
                 xg = x.clone().requires_grad_()
                 # the rows as the GEMM gets them, differentiable (FP8: a quantize's output)
@@ -472,7 +485,10 @@ def grouped_mm_main(a) -> None:
                 r = {"shape": name, "gemm": gemm, "rows": n, "E": e, "K": k, "M": m,
                      "mode": mode, "fwd_ms": round(ms_f, 4), "fwd_bwd_ms": round(ms_fb, 4),
                      "fwd_TFLOPs": round(flop / ms_f / 1e9, 1),
-                     "fwd_bwd_TFLOPs": round(3 * flop / ms_fb / 1e9, 1)}
+                     "fwd_bwd_TFLOPs": round(3 * flop / ms_fb / 1e9, 1),
+                     # where fwd + bwd spends its GPU time: us per call of each kernel
+                     "fwd_bwd_kernels_us": dict(list(kernel_breakdown(
+                         fwd_bwd, 3, width=90).items())[:12])}
                 rows_out.append(r)
                 print(r, file=sys.stderr, flush=True)
     write_json(a.out, {"bench": "grouped_mm", "env": env_info(), "results": rows_out})
