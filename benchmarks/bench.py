@@ -457,13 +457,14 @@ def grouped_mm_main(a) -> None:
             # the weights' quantization alone, each layout, against a copy of its bytes
             # (read bf16, write e4m3: 3 bytes an element)
             copy_ms = same_bytes_copy_ms(3 * w.numel())
-            for layout, wt in (("fwd", w.detach().transpose(-2, -1)), ("bwd", w.detach())):
-                ms_q = median_ms(lambda wt=wt: _quantize_last(wt))
+            wd = w.detach()
+            for layout, quant in (("fwd", lambda wd=wd: torch.ops.qmoe.quantize_cols(wd)),
+                                  ("bwd", lambda wd=wd: _quantize_last(wd))):
+                ms_q = median_ms(quant)
                 r = {"shape": name, "gemm": gemm, "E": e, "K": k, "M": m,
                      "mode": f"weight_quantize_{layout}", "ms": round(ms_q, 4),
                      "pct_of_copy": round(100 * copy_ms / ms_q, 1) if copy_ms else None,
-                     "kernels_us": kernel_breakdown(lambda wt=wt: _quantize_last(wt), 3,
-                                                    width=90)}
+                     "kernels_us": kernel_breakdown(quant, 3, width=90)}
                 rows_out.append(r)
                 print(r, file=sys.stderr, flush=True)
             for mode in ("bf16", "fp8", "fp8_prequantized"):

@@ -39,9 +39,10 @@ import torch.nn.functional as F
 from qmoe._intmath import next_pow2
 from qmoe._library import define
 from qmoe.ops import checks as C
+from qmoe.ops.kernels.grouped_mm import quantize_cols_triton, zero_tail_triton
 from qmoe.tensors.base import QuantizedTensor, register_passthrough
-from qmoe.tensors.layouts import OP_BLOCK_SIZES
-from qmoe.tensors.recipes import Blockwise, PerTensor, RowWise
+from qmoe.tensors.layouts import EPS, OP_BLOCK_SIZES
+from qmoe.tensors.recipes import Blockwise, PerTensor, RowWise, fp8_max
 from qmoe.tensors.types import Float8BlockwiseTensor, Float8Tensor
 
 __all__ = ["grouped_mm", "quantize_expert_weights", "ExpertWeightsFP8", "fp8_gemm_runs"]
@@ -59,7 +60,7 @@ def _sm90(device: torch.device) -> bool:
 def _fp8_widths_ok(k: int | None, m: int | None) -> bool:
     """K and M (when given) multiples of 16 (16-byte FP8 rows) and at most 16384 (the
     weights and gradients are quantized with one block over the vector)."""
-    return all(w is None or (w % _FP8_ALIGN == 0 and w <= _FP8_MAX_WIDTH) for w in (k, m))
+    return all(w is None or (w % _FP8_ALIGN == 0 and 0 < w <= _FP8_MAX_WIDTH) for w in (k, m))
 
 
 def fp8_gemm_runs(recipe, device: torch.device | str, k: int | None = None,
@@ -101,13 +102,65 @@ def _row_scales(rows) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _quantize_last(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(e4m3 bits, fp32 scales)`` of ``x`` quantized along its last dim (one scale per
-    vector, ``max(amax, EPS) / 448``: ``qmoe.RowWise``'s rule), contiguous: one
-    ``qmoe::quantize_blocks`` launch with one block over the vector (a transposed ``x`` is
-    made contiguous first)."""
+    """``(e4m3 bits, fp32 scales)`` of ``x`` (contiguous) quantized along its last dim (one
+    scale per vector, ``max(amax, EPS) / 448``: ``qmoe.RowWise``'s rule), contiguous: one
+    ``qmoe::quantize_blocks`` launch with one block over the vector."""
     bs = next_pow2(max(x.shape[-1], 1))
     q, scale = torch.ops.qmoe.quantize_blocks(x.contiguous(), bs, _E4M3, "amax")
     return q, scale.squeeze(-1)
+
+
+def _check_cols_input(w: torch.Tensor) -> None:
+    if w.dim() != 3 or w.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"qmoe::quantize_cols: w must be [E, K, M] fp32, bf16 or fp16, got "
+                        f"{w.dtype} {tuple(w.shape)}")
+
+
+@define("quantize_cols(Tensor w) -> (Tensor, Tensor)")
+def _quantize_cols(w):
+    """``(bits [E, M, K] e4m3, scale [E, M] fp32)``: ``w [E, K, M]`` quantized per expert
+    and column along K (the rule of ``_quantize_last``) and written transposed, the layout
+    ``torch._scaled_grouped_mm`` takes for its second operand. Torch (CPU); one Triton
+    launch on CUDA (``quantize_cols_kernel``: 5 bytes of traffic an element, where a
+    transposing copy and a row quantize move 7)."""
+    _check_cols_input(w)
+    e, k, m = w.shape
+    if k == 0:  # columns of no elements: amax 0
+        return (w.new_empty((e, m, 0), dtype=_E4M3),
+                torch.full((e, m), EPS / fp8_max(_E4M3), device=w.device))
+    return _quantize_last(w.transpose(-2, -1).contiguous())
+
+
+@_quantize_cols.register_cuda
+def _quantize_cols_cuda(w):
+    _check_cols_input(w)
+    return quantize_cols_triton(w, _E4M3)
+
+
+@_quantize_cols.register_fake
+def _(w):
+    _check_cols_input(w)
+    e, k, m = w.shape
+    return (w.new_empty((e, m, k), dtype=_E4M3), w.new_empty((e, m), dtype=torch.float32))
+
+
+@define("zero_tail_(Tensor(a!) out, Tensor offsets) -> ()")
+def _zero_tail_(out, offsets):
+    """Zero the rows of ``out [N, W]`` at or past ``offsets[-1]`` (int32 ``[E]``, E >= 1)
+    in place: rows no group owns. Torch (CPU); one Triton launch on CUDA, whose programs
+    below the end return after one load. No host sync."""
+    rows = torch.arange(out.shape[0], device=out.device)
+    out.masked_fill_((rows >= offsets[-1])[:, None], 0)
+
+
+@_zero_tail_.register_cuda
+def _zero_tail_cuda(out, offsets):
+    zero_tail_triton(out, offsets)
+
+
+@_zero_tail_.register_fake
+def _(out, offsets):
+    return None
 
 
 class ExpertWeightsFP8(NamedTuple):
@@ -145,7 +198,7 @@ def quantize_expert_weights(weight: torch.Tensor, *, backward: bool = True
         raise ValueError(f"{fn}: weight is [E, K, M] = {list(weight.shape)}; the FP8 path "
                          f"quantizes vectors of up to {_FP8_MAX_WIDTH} (K and M), so wider "
                          "experts run in bf16 and need no FP8 weights")
-    fb, fs = _quantize_last(weight.transpose(-2, -1))
+    fb, fs = _quantize_cols(weight)
     bb = bs = None
     if backward:
         bb, bs = _quantize_last(weight)
@@ -160,11 +213,12 @@ def _high(rows, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _zero_tail(out: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """``out [N, X]`` with the rows at or past ``offsets[-1]`` zeroed (no host sync)."""
+    """``out [N, X]`` (made by this module's GEMM, not yet seen by the caller) with the
+    rows at or past ``offsets[-1]`` zeroed in place (no host sync)."""
     if offsets.numel() == 0:
-        return torch.zeros_like(out)
-    rows = torch.arange(out.shape[0], device=out.device)[:, None]
-    return torch.where(rows < offsets[-1], out, 0)
+        return out.zero_()
+    _zero_tail_(out, offsets)
+    return out
 
 
 @define("rowwise_grouped_mm(Tensor rows, Tensor b_t, Tensor b_scale, Tensor offsets) -> Tensor")
@@ -194,7 +248,7 @@ def _rowwise_grouped_mm_quantized(func, args, kwargs):
 def _fp8_forward(rows, weight, offsets, wq) -> torch.Tensor:
     # weights [E, K, M] per expert and output column: quantized along K, column-major
     if wq is None:
-        b, b_scale = _quantize_last(weight.transpose(-2, -1))  # [E, M, K] contiguous
+        b, b_scale = _quantize_cols(weight)  # [E, M, K] contiguous
     else:
         b, b_scale = wq
     return torch.ops.qmoe.rowwise_grouped_mm(rows, b, b_scale, offsets)

@@ -62,6 +62,23 @@ def tail_programs(n: int) -> int:
     return max(1, min(256, cdiv(n, 64)))
 
 
+# ------------------------------------------------------------------- grouped_mm's FP8
+
+
+def quantize_cols_tile(k: int, m: int) -> tuple[int, int, int]:
+    """``(BLOCK_K, BLOCK_M, num_warps)`` of ``quantize_cols_kernel`` (the expert weights
+    quantized per column, written transposed): 128 x 64 tiles (128-byte loads along M and
+    stores along K), 4 warps, narrower for small K or M. ``python -m benchmarks bench
+    grouped_mm`` reports it (``weight_quantize_fwd``, % of copy)."""
+    return max(16, min(128, next_pow2(k))), max(16, min(64, next_pow2(m))), 4
+
+
+def zero_tail_tile(w: int) -> tuple[int, int, int]:
+    """``(BLOCK_R, BLOCK_W, num_warps)`` of ``zero_tail_kernel``: 16 rows of up to 1024
+    columns a step, 4 warps."""
+    return 16, max(16, min(1024, next_pow2(w))), 4
+
+
 # ------------------------------------------------------------------------------ merges
 
 

@@ -295,3 +295,82 @@ def test_wide_experts_stay_off_the_fp8_path():
     assert fp8_gemm_runs(qmoe.Blockwise(), DEV, 128, 64) == HOPPER  # one block a row
     with pytest.raises(ValueError, match="vectors of up to 16384"):
         qmoe.quantize_expert_weights(torch.zeros(1, 16, 16400, device=DEV).bfloat16())
+
+
+def _nasty_weights(e, k, m, dtype, device):
+    """Columns spanning 40 orders of magnitude, a zero column, NaN and inf."""
+    w = torch.randn(e, k, m) * torch.logspace(-20, 20, m)[None, None, :]
+    if m > 1:
+        w[:, :, 1] = 0.0
+    if m > 3 and k > 2:
+        w[0, 2, 2] = float("nan")
+        w[-1, 1, 3] = float("inf")
+    return w.to(dtype).to(device)
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("e,k,m", [(1, 1, 1), (3, 17, 40), (2, 300, 70), (1, 129, 65)])
+def test_quantize_cols_kernel_matches_rows(kdevice, fp8, dtype, e, k, m):
+    """``quantize_cols_kernel`` (the weights per output column, written transposed): bit
+    for bit the row quantize of the transposed weights, into poisoned outputs (0xFF bytes,
+    NaN scales), K past one tile, columns past one tile."""
+    from qmoe._intmath import next_pow2
+    from qmoe.ops.kernels.grouped_mm import quantize_cols_triton
+    from qmoe.tensors.quantize import _reference_blocks
+
+    w = _nasty_weights(e, k, m, dtype, kdevice) if dtype != torch.float16 else (
+        torch.randn(e, k, m, device=kdevice) * 100).to(dtype)
+    q = torch.full((e, m, k), 0xFF, dtype=torch.uint8, device=kdevice).view(fp8)
+    s = torch.full((e, m), float("nan"), device=kdevice)
+    quantize_cols_triton(w, fp8, out=(q, s))
+    want_q, want_s = _reference_blocks(w.cpu().transpose(-2, -1).contiguous(),
+                                       next_pow2(k), fp8, "amax")
+    assert_same_bits(q, want_q)
+    assert_same_bits(s, want_s.squeeze(-1))
+
+
+def test_quantize_cols_op():
+    """``qmoe::quantize_cols`` passes opcheck; on this device it gives the bits of the row
+    quantize of the transposed weights (``_quantize_last``), K = 0 included."""
+    from qmoe.ops.grouped_mm import _quantize_last
+
+    for shape in ((3, 40, 24), (2, 1, 16), (1, 0, 8)):
+        w = torch.randn(shape, device=DEV).bfloat16()
+        torch.library.opcheck(torch.ops.qmoe.quantize_cols.default, (w,))
+        q, s = torch.ops.qmoe.quantize_cols(w)
+        assert q.shape == (shape[0], shape[2], shape[1]) and s.shape == (shape[0], shape[2])
+        if shape[1]:
+            want_q, want_s = _quantize_last(w.transpose(-2, -1).contiguous())
+            assert_same_bits(q, want_q)
+            assert_same_bits(s, want_s)
+        else:
+            assert (s == 1e-12 / 448).all()
+    with pytest.raises(TypeError, match="w must be"):
+        torch.ops.qmoe.quantize_cols(torch.zeros(4, 4, dtype=torch.int32, device=DEV))
+
+
+@pytest.mark.parametrize("n,w,counts", [(1, 1, [0]), (63, 17, [20, 0, 30]), (70, 1030, [70]),
+                                        (40, 48, [0, 0]), (1025, 24, [500, 3])])
+def test_zero_tail_kernel(kdevice, n, w, counts):
+    """``zero_tail_kernel``: rows at or past the last offset zeroed in place, the rows
+    before it untouched (NaN-poisoned rows stay NaN), a strided ``out`` included."""
+    from qmoe.ops.kernels.grouped_mm import zero_tail_triton
+
+    base = torch.randn(n, w + 5, device=kdevice).bfloat16()
+    base[: n // 2] = float("nan")
+    out = base[:, 2:w + 2]  # a row stride past the width
+    want = out.clone()
+    end = sum(counts)
+    want[end:] = 0
+    zero_tail_triton(out, _offsets(counts, kdevice))
+    assert_same_bits(out, want)
+    assert torch.equal(base[:, :2].isnan(), (torch.arange(n, device=kdevice) < n // 2)[:, None]
+                       .expand(n, 2))
+
+
+def test_zero_tail_op():
+    out = torch.randn(30, 16, device=DEV).bfloat16()
+    torch.library.opcheck(torch.ops.qmoe.zero_tail_.default, (out, _offsets([10, 5])))
+    torch.ops.qmoe.zero_tail_(out, _offsets([10, 5]))
+    assert (out[15:] == 0).all() and (out[:15] != 0).any()
