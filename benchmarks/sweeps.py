@@ -861,38 +861,78 @@ def merge_backward_main(a) -> None:
 
 
 def quantize_args(p) -> None:
+    p.add_argument("--kinds", default="blocks,rows,cols",
+                   help="blocks: 1x128 and 1x32 blocks at dsv3 and gptoss widths; rows: one "
+                        "block a row (RowWise, grouped_mm's gradients and weights)")
     p.add_argument("--out", default=None)
 
 
-def quantize_main(a) -> None:
-    """Sweep the quantize kernel's tiling on the GPU (CUDA-graph medians) to pick defaults.
+# (tokens, width, scale mode, block) swept by `sweep quantize`, by kind
+_QUANTIZE_SWEEP = {
+    "blocks": [(16384, 7168, "amax", 128), (16384, 7168, "mx_floor", 32),
+               (16384, 2880, "amax", 128), (16384, 2880, "mx_floor", 32)],
+    "rows": [(32768, 7168, "amax", 8192), (32768, 4096, "amax", 4096),
+             (32768, 2048, "amax", 2048), (65536, 1536, "amax", 2048)],
+}
 
-        python -m benchmarks sweep quantize [--out sweep.json]
+
+def _sweep_quantize_cols(copy_bw: float) -> list[dict]:
+    """``quantize_cols_kernel`` (grouped_mm's weights per output column, written
+    transposed) at the expert weights of ``bench grouped_mm``'s shapes; % of copy counts
+    its 5 bytes an element (bf16 read twice, e4m3 written)."""
+    from qmoe.ops.kernels.grouped_mm import quantize_cols_triton
+
+    rows = []
+    for e, k, m in [(32, 7168, 4096), (32, 2048, 7168), (128, 4096, 3072), (128, 1536, 4096)]:
+        w = torch.randn(e, k, m, dtype=torch.bfloat16, device="cuda")
+        nbytes = 5 * w.numel() + 4 * e * m
+        for tile in [(bk, bm, nw) for bk in (64, 128, 256) for bm in (16, 32, 64, 128)
+                     for nw in (4, 8)]:
+            ms = graph_median_ms(lambda tile=tile, w=w: quantize_cols_triton(w, tiling=tile))
+            pct = 100 * nbytes / (ms * 1e-3) / 1e9 / copy_bw
+            rows.append({"T": e * k, "H": m, "mode": "cols", "block": k, "tile": tile,
+                         "ms": round(ms, 4), "pct_copy_bw": round(pct, 1)})
+            print("cols", e, k, m, tile, f"{ms:.4f} ms {pct:.1f}%", file=sys.stderr)
+        del w
+    return rows
+
+
+def quantize_main(a) -> None:
+    """Sweep the quantize kernel's tiling on the GPU (CUDA-graph medians) to pick defaults
+    (``qmoe.tensors.tuning.quantize_rows_tile``).
+
+        python -m benchmarks sweep quantize [--kinds blocks,rows,cols] [--out sweep.json]
     """
     if not needs_cuda("sweep quantize"):
         return
     copy_bw = copy_bandwidth_gbs()
     rows = []
-    for t, h in [(16384, 7168), (16384, 2880)]:
-        x = torch.randn(t, h, dtype=torch.bfloat16, device="cuda")
-        for mode, bs in [("amax", 128), ("mx_floor", 32)]:
+    for kind in a.kinds.split(","):
+        for t, h, mode, bs in _QUANTIZE_SWEEP.get(kind, ()):
+            x = torch.randn(t, h, dtype=torch.bfloat16, device="cuda")
             nbytes = x.numel() * 3 + t * -(-h // bs) * (4 if mode == "amax" else 1)
             for block_r in (1, 2, 4, 8, 16, 32):
                 for groups in (1, 2, 4, 8, 16):
-                    if block_r * groups * bs not in (2048, 4096, 8192, 16384):
+                    if block_r * groups * bs not in (2048, 4096, 8192, 16384) or (
+                            groups > 1 and bs >= h):
                         continue
-                    for nw in (4, 8):
+                    for nw in (4, 8, 16) if bs >= 2048 else (4, 8):
                         tile = (block_r, groups, nw)
                         ms = graph_median_ms(
                             lambda tile=tile, x=x, mode=mode, bs=bs: quantize_rows_triton(
                                 x, bs, torch.float8_e4m3fn, mode, tiling=tile))
                         pct = 100 * nbytes / (ms * 1e-3) / 1e9 / copy_bw
-                        rows.append({"T": t, "H": h, "mode": mode, "tile": tile,
-                                     "ms": round(ms, 4), "pct_copy_bw": round(pct, 1)})
-                        print(t, h, mode, tile, f"{ms:.4f} ms {pct:.1f}%", file=sys.stderr)
+                        rows.append({"T": t, "H": h, "mode": mode, "block": bs,
+                                     "tile": tile, "ms": round(ms, 4),
+                                     "pct_copy_bw": round(pct, 1)})
+                        print(t, h, mode, bs, tile, f"{ms:.4f} ms {pct:.1f}%",
+                              file=sys.stderr)
+            del x
+    if "cols" in a.kinds.split(","):
+        rows += _sweep_quantize_cols(copy_bw)
     best = {}
     for r in rows:
-        k = f"{r['T']}x{r['H']}-{r['mode']}"
+        k = f"{r['T']}x{r['H']}-{r['mode']}-{r['block']}"
         if k not in best or r["ms"] < best[k]["ms"]:
             best[k] = r
     write_json(a.out, {"bench": "sweep_quantize", "env": env_info(), "copy_GB/s": copy_bw,
