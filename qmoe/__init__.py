@@ -13,6 +13,7 @@ from qmoe.ops import (
     moe_sort_chunks_by_index_with_probs,
     moe_unpermute,
     quantize_expert_weights,
+    swiglu,
     tokens_per_expert,
 )
 from qmoe.tensors import (
@@ -44,6 +45,7 @@ __all__ = [
     "grouped_mm",
     "quantize_expert_weights",
     "ExpertWeightsFP8",
+    "swiglu",
     "backends",
     "from_torchao",
     "to_torchao",

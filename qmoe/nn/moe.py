@@ -16,10 +16,12 @@ One forward:
    ``align_size`` rows; with ``process_group``, ``qmoe.distributed.dispatch(...,
    quantize=recipe)`` quantizes in its permute's pass and sends the FP8 rows to the
    experts' ranks;
-4. experts: ``grouped_mm`` (gate and up, ``[L, H, 2F]``), SwiGLU, ``grouped_mm`` (down,
-   ``[L, F, H]``). Where ``grouped_mm`` has an FP8 GEMM for the recipe (``PerTensor`` or
-   ``RowWise`` e4m3 on Hopper, ``fp8_gemm_runs``) the dispatched FP8 rows go into it as
-   they are and the SwiGLU output is quantized with the recipe for the down GEMM; other
+4. experts: ``grouped_mm`` (gate and up, ``[L, H, 2F]``), ``qmoe.swiglu`` (one pass
+   forward, one backward), ``grouped_mm`` (down, ``[L, F, H]``). Where ``grouped_mm`` has
+   an FP8 GEMM for the recipe (``PerTensor`` or ``RowWise`` e4m3 on Hopper,
+   ``fp8_gemm_runs``) the dispatched FP8 rows go into it as they are and the SwiGLU
+   output is quantized with the recipe for the down GEMM (in the SwiGLU's pass for the
+   block recipes); other
    recipes (``Blockwise``, ``MXFP8``) move FP8 rows (half the bytes of bf16 over the wire)
    and dequantize them for a bf16 GEMM;
 5. merge: ``moe_unpermute`` weighted by ``probs`` (fp32 accumulation), or
@@ -40,7 +42,6 @@ from fractions import Fraction
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from qmoe.distributed import combine, dispatch
@@ -50,10 +51,11 @@ from qmoe.ops import (
     grouped_mm,
     moe_permute_and_pad_with_probs,
     moe_unpermute,
+    swiglu,
     tokens_per_expert,
 )
 from qmoe.ops.grouped_mm import ExpertWeightsFP8, fp8_gemm_runs, quantize_expert_weights
-from qmoe.tensors import MXFP8, Blockwise, PerTensor, RowWise, quantize
+from qmoe.tensors import MXFP8, Blockwise, PerTensor, RowWise
 
 __all__ = ["MoE", "MoERouting"]
 
@@ -199,11 +201,11 @@ class MoE(torch.nn.Module):
         dt = self.compute_dtype
         wq_gu, wq_d = (None, None) if wq is None else wq
         h = grouped_mm(rows, self.w_gate_up.to(dt), offs, weight_fp8=wq_gu)  # [N, 2F]
-        f = self.ffn
-        act = F.silu(h[:, :f]) * h[:, f:]  # [N, F] bf16
-        if self.recipe is not None and fp8_gemm_runs(self.recipe, act.device, f, self.hidden):
-            # the down GEMM runs FP8: its input quantized with the recipe
-            act = quantize(act, self.recipe)
+        # where the down GEMM runs FP8, its input quantized with the recipe in the SwiGLU's
+        # pass; [N, F]
+        fp8 = self.recipe is not None and fp8_gemm_runs(self.recipe, h.device, self.ffn,
+                                                        self.hidden)
+        act = swiglu(h, quantize=self.recipe if fp8 else None)
         return grouped_mm(act, self.w_down.to(dt), offs, weight_fp8=wq_d)  # [N, H]
 
     def _experts(self, x, probs, routing_map, wq=None):

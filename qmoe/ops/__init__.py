@@ -12,6 +12,7 @@ from qmoe.ops.counts import expert_offsets, tokens_per_expert
 from qmoe.ops.grouped_mm import ExpertWeightsFP8, grouped_mm, quantize_expert_weights
 from qmoe.ops.permute import moe_permute, moe_permute_and_pad_with_probs, moe_permute_with_probs
 from qmoe.ops.sort_chunks import moe_sort_chunks_by_index, moe_sort_chunks_by_index_with_probs
+from qmoe.ops.swiglu import swiglu
 from qmoe.ops.unpermute import moe_unpermute
 
 __all__ = [
@@ -27,4 +28,5 @@ __all__ = [
     "moe_unpermute",
     "moe_sort_chunks_by_index",
     "moe_sort_chunks_by_index_with_probs",
+    "swiglu",
 ]

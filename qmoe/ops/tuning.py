@@ -24,6 +24,7 @@ from typing import NamedTuple
 import torch
 
 from qmoe._intmath import cdiv, next_pow2, prev_pow2
+from qmoe.tensors.tuning import quantize_rows_tile
 
 # ------------------------------------------------------------ scatter, gather, zeroing
 
@@ -77,6 +78,28 @@ def zero_tail_tile(w: int) -> tuple[int, int, int]:
     """``(BLOCK_R, BLOCK_W, num_warps)`` of ``zero_tail_kernel``: 16 rows of up to 1024
     columns a step, 4 warps."""
     return 16, max(16, min(1024, next_pow2(w))), 4
+
+
+# ------------------------------------------------------------------------------ SwiGLU
+
+
+def swiglu_tile(f: int, block_size: int | None) -> tuple[int, int, int, int]:
+    """``(BLOCK_R, GROUPS, BS, num_warps)`` of ``swiglu_kernel`` over activations of ``f``
+    columns: quantizing with blocks of ``block_size``, the quantize kernel's tile
+    (``quantize_rows_tile``: whole blocks, about 4096 elements); else 1024-column tiles
+    of about 4096 elements, 4 warps."""
+    if block_size is not None:
+        block_r, groups, nw = quantize_rows_tile(block_size, cdiv(f, block_size))
+        return block_r, groups, block_size, nw
+    bs = max(16, min(1024, next_pow2(f)))
+    return max(1, 4096 // bs), 1, bs, 4
+
+
+def swiglu_backward_tile(f: int) -> tuple[int, int, int]:
+    """``(BLOCK_R, BLOCK_F, num_warps)`` of ``swiglu_backward_kernel``: 512-column tiles of
+    about 4096 elements, 4 warps."""
+    bf = max(16, min(512, next_pow2(f)))
+    return max(1, 4096 // bf), bf, 4
 
 
 # ------------------------------------------------------------------------------ merges
