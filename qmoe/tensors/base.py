@@ -349,8 +349,17 @@ class QuantizedTensor(torch.Tensor):
         return expand_block_scales(s, self.qdata.shape[-1], self.block_size)
 
     def _dequantize_raw(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        dtype = dtype or self.orig_dtype
+        if self.qdata.is_cuda and self.qdata.dim():
+            # one pass (``qmoe::dequantize_blocks``, defined with the quantize ops), the
+            # same bits as the torch form below, which writes fp32 twice on the way
+            q, s = self.qdata, self.scale_fp32()
+            bs = self.block_size
+            if bs is None:  # per tensor
+                s, bs = s.reshape(()), max(q.shape[-1], 1)
+            return torch.ops.qmoe.dequantize_blocks(q.view(torch.uint8), q.dtype, s, bs, dtype)
         out = self.qdata.float() * self._scale_full()
-        return out.to(dtype or self.orig_dtype)
+        return out.to(dtype)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """``qdata.float() * scale`` (block scales broadcast), in ``orig_dtype`` or ``dtype``.

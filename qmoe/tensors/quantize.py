@@ -25,8 +25,8 @@ import torch
 
 from qmoe._intmath import cdiv
 from qmoe._library import define
-from qmoe.tensors.base import QuantizedTensor, plain_grad
-from qmoe.tensors.kernels.quantize import quantize_rows_triton
+from qmoe.tensors.base import QuantizedTensor, expand_block_scales, plain_grad
+from qmoe.tensors.kernels.quantize import dequantize_rows_triton, quantize_rows_triton
 from qmoe.tensors.layouts import (
     EPS,
     FP8_DTYPES,
@@ -235,6 +235,50 @@ def _quantize_with_scale_cuda(x, scale, fp8_dtype):
 def _(x, scale, fp8_dtype):
     check_op_dtypes("quantize_with_scale", x, fp8_dtype)
     return torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
+
+
+def _check_dequantize_args(bits, fp8_dtype, scale, block_size, dtype) -> None:
+    if bits.dtype != torch.uint8 or fp8_dtype not in FP8_DTYPES or scale.dtype != torch.float32:
+        raise TypeError(f"qmoe::dequantize_blocks: bits must be uint8 (fp8 bits viewed), "
+                        f"fp8_dtype an fp8 dtype and scale fp32, got {bits.dtype}, "
+                        f"{fp8_dtype} and {scale.dtype}")
+    if dtype not in HP_DTYPES:
+        raise TypeError(f"qmoe::dequantize_blocks: dtype must be fp32, bf16 or fp16, got "
+                        f"{dtype}")
+    if bits.dim() == 0 or not (isinstance(block_size, int) and block_size >= 1):
+        raise ValueError(f"qmoe::dequantize_blocks: bits must be [..., H] and block_size a "
+                         f"positive int, got {tuple(bits.shape)} and {block_size!r}")
+    want = (*bits.shape[:-1], cdiv(bits.shape[-1], block_size))
+    if scale.dim() != 0 and tuple(scale.shape) != want:
+        raise ValueError(f"qmoe::dequantize_blocks: scale must be [] or {list(want)} for "
+                         f"bits {tuple(bits.shape)} in blocks of {block_size}, got "
+                         f"{tuple(scale.shape)}")
+
+
+@define("dequantize_blocks(Tensor bits, ScalarType fp8_dtype, Tensor scale, int block_size, "
+        "ScalarType dtype) -> Tensor")
+def _dequantize_blocks(bits, fp8_dtype, scale, block_size, dtype):
+    """``bits [..., H]`` (uint8 view of ``fp8_dtype`` values) times fp32 ``scale``
+    (``[..., ceil(H / block_size)]`` block scales, or ``[]`` per tensor), rounded once to
+    ``dtype``: ``QuantizedTensor``'s dequantize on CUDA. Torch (CPU); one Triton launch on
+    CUDA, one pass (torch's ``qdata.float() * scale`` then ``.to(dtype)`` writes fp32
+    twice in between)."""
+    _check_dequantize_args(bits, fp8_dtype, scale, block_size, dtype)
+    if scale.dim():
+        scale = expand_block_scales(scale, bits.shape[-1], block_size)
+    return (bits.view(fp8_dtype).float() * scale).to(dtype)
+
+
+@_dequantize_blocks.register_cuda
+def _dequantize_blocks_cuda(bits, fp8_dtype, scale, block_size, dtype):
+    _check_dequantize_args(bits, fp8_dtype, scale, block_size, dtype)
+    return dequantize_rows_triton(bits.view(fp8_dtype), scale, block_size, dtype)
+
+
+@_dequantize_blocks.register_fake
+def _(bits, fp8_dtype, scale, block_size, dtype):
+    _check_dequantize_args(bits, fp8_dtype, scale, block_size, dtype)
+    return torch.empty(bits.shape, dtype=dtype, device=bits.device)
 
 
 def recipe_scale_mode(recipe: Recipe) -> str:

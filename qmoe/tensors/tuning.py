@@ -20,3 +20,10 @@ def quantize_rows_tile(block_size: int, nb: int) -> tuple[int, int, int]:
     (`bench quantize`)")."""
     groups = max(1, min(512 // block_size, next_pow2(nb)))
     return max(1, 4096 // (groups * block_size)), groups, 4
+
+
+def dequantize_rows_tile(h: int) -> tuple[int, int, int]:
+    """``(BLOCK_R, BLOCK_H, num_warps)`` of ``dequantize_rows_kernel``: tiles of up to 1024
+    columns and about 4096 elements, 4 warps."""
+    bh = max(16, min(1024, next_pow2(h)))
+    return max(1, 4096 // bh), bh, 4

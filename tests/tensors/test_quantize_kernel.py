@@ -158,3 +158,60 @@ def test_quantize_on_cuda_matches_cpu(name):
     qr = qmoe.quantize(x, RECIPES[name])
     assert_same_bits(qc.qdata.cpu(), qr.qdata)
     assert_same_bits(qc.raw_scale.cpu(), qr.raw_scale)
+
+
+def _same_bits_or_both_nan(a, b):
+    """Bits equal where ``b`` is not NaN; NaN where it is (the GPU's bf16 NaN is 0x7FFF,
+    torch's cast gives 0x7FC0)."""
+    a, b = a.cpu(), b.cpu()
+    nan = b.isnan()
+    assert torch.equal(a.isnan(), nan)
+    assert_same_bits(torch.where(nan, 0, a), torch.where(nan, 0, b))
+
+
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("recipe", ["per_tensor", "block32", "block128", "rowwise", "mx"])
+@pytest.mark.parametrize("shape", [(1, 1), (9, 17), (3, 5, 300), (40, 1030)])
+def test_dequantize_kernel_matches_torch(kdevice, fp8, dtype, recipe, shape):
+    """``dequantize_rows_kernel``: bit for bit torch's ``qdata.float() * scale`` then
+    ``.to(dtype)`` (NaN as NaN), per-tensor and block scales (MX's e8m0 as fp32), every fp8
+    bit pattern among the inputs, into a poisoned output."""
+    from qmoe.tensors.base import expand_block_scales
+    from qmoe.tensors.quantize import dequantize_rows_triton
+
+    h = shape[-1]
+    q = torch.randint(0, 256, shape, dtype=torch.uint8).view(fp8).to(kdevice)
+    bs = {"per_tensor": h, "block32": 32, "block128": 128, "rowwise": 1 << (h - 1).bit_length(),
+          "mx": 32}[recipe]
+    nb = -(-h // bs)
+    if recipe == "per_tensor":
+        scale = torch.tensor(0.37, device=kdevice)
+    elif recipe == "mx":
+        scale = (torch.randint(100, 150, (*shape[:-1], nb), dtype=torch.int32) << 23).view(
+            torch.float32).to(kdevice)
+    else:
+        scale = (torch.rand(*shape[:-1], nb) * 10.0 ** torch.randint(-30, 30, (1,))).to(kdevice)
+    out = torch.full(shape, float("nan"), dtype=dtype, device=kdevice)
+    dequantize_rows_triton(q, scale, bs, dtype, out=out)
+    full = scale if recipe == "per_tensor" else expand_block_scales(scale, h, bs)
+    _same_bits_or_both_nan(out, (q.float() * full).to(dtype))
+
+
+def test_dequantize_op_and_tensors():
+    """``qmoe::dequantize_blocks`` passes opcheck; each quantized type's ``dequantize``
+    gives the torch form's bits on this device (CUDA: through the op)."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.randn(33, 300, device=dev).bfloat16()
+    for recipe in [*RECIPES.values(), qmoe.RowWise()]:
+        t = qmoe.quantize(x, recipe)
+        want = t.qdata.float() * t._scale_full()
+        _same_bits_or_both_nan(t.dequantize(), want.to(torch.bfloat16))
+        _same_bits_or_both_nan(t.dequantize(torch.float32), want)
+    q = qmoe.quantize(x, qmoe.Blockwise())
+    bits = q.qdata.view(torch.uint8)
+    torch.library.opcheck(torch.ops.qmoe.dequantize_blocks.default,
+                          (bits, q.fp8_dtype, q.scale_fp32(), 128, torch.bfloat16))
+    with pytest.raises(ValueError, match="scale must be"):
+        torch.ops.qmoe.dequantize_blocks(bits, q.fp8_dtype, q.scale_fp32()[:, :1], 128,
+                                         torch.bfloat16)

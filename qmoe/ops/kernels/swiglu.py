@@ -24,23 +24,9 @@ import triton.language as tl
 from qmoe._intmath import cdiv
 from qmoe._triton import launch
 from qmoe.ops.tuning import swiglu_backward_tile, swiglu_tile
-from qmoe.tensors.kernels.quantize import quantize_tile, to_fp32
+from qmoe.tensors.kernels.quantize import quantize_tile, round_to, to_fp32
 from qmoe.tensors.layouts import EPS, SCALE_MODES, emax_elem, fp8_fields, scale_dtype
 from qmoe.tensors.recipes import fp8_max
-
-
-@triton.jit
-def round_to(x, BF16: tl.constexpr, HW_CAST: tl.constexpr):
-    """fp32 ``x`` rounded to the output dtype (bf16 when BF16, else fp32 as is), RNE, and
-    returned as that dtype. Without HW_CAST bf16 rounds through its bits (NaN to 0x7FFF)."""
-    if not BF16:
-        return x
-    if HW_CAST:
-        return x.to(tl.bfloat16)
-    bits = x.to(tl.int32, bitcast=True)
-    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-    rounded = tl.where(x != x, 0x7FFF, rounded)  # NaN: the canonical NaN, as cvt.rn gives
-    return (rounded & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
@@ -67,7 +53,6 @@ def swiglu_kernel(
     SCALE_MODE: tl.constexpr,
     MB: tl.constexpr,
     BIAS: tl.constexpr,
-    BF16: tl.constexpr,  # h (and the activation) bf16, else fp32
     HW_CAST: tl.constexpr,
     BS: tl.constexpr,
     GROUPS: tl.constexpr,
@@ -84,7 +69,7 @@ def swiglu_kernel(
     hp = h_ptr + rows64[:, None, None] * stride_h + cols[None, :, :]
     a = to_fp32(tl.load(hp, mask=mask, other=0.0), HW_CAST)
     b = to_fp32(tl.load(hp + F, mask=mask, other=0.0), HW_CAST)
-    act = round_to(_silu_parts(a)[0] * b, BF16, HW_CAST)
+    act = round_to(_silu_parts(a)[0] * b, h_ptr, HW_CAST)  # h's dtype
     offs = rows64[:, None, None] * F + cols[None, :, :]
     if QUANT:
         q, stored = quantize_tile(act, s_ptr, FP8_MAX, EMAX_ELEM, EPS, SCALE_MODE, MB, BIAS,
@@ -105,7 +90,6 @@ def swiglu_backward_kernel(
     F,
     stride_g,
     stride_h,
-    BF16: tl.constexpr,
     HW_CAST: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_F: tl.constexpr,
@@ -123,8 +107,8 @@ def swiglu_backward_kernel(
     ga = g * b * s * (1.0 + a * (1.0 - s))
     gb = g * silu
     op = gh_ptr + rows64[:, None] * (2 * F) + cols[None, :]
-    tl.store(op, round_to(ga, BF16, HW_CAST), mask=mask)
-    tl.store(op + F, round_to(gb, BF16, HW_CAST), mask=mask)
+    tl.store(op, round_to(ga, gh_ptr, HW_CAST), mask=mask)
+    tl.store(op + F, round_to(gb, gh_ptr, HW_CAST), mask=mask)
 
 
 # ------------------------------------------------------------------------- launchers
@@ -147,7 +131,6 @@ def swiglu_triton(
     outputs (tests: poisoned). No host sync."""
     n, f = h.shape[0], h.shape[1] // 2
     h = _unit_cols(h)
-    bf16 = h.dtype == torch.bfloat16
     if quantize is None:
         o = torch.empty((n, f), dtype=h.dtype, device=h.device) if out is None else out
         bs, nb, mode, fp8 = None, 1, 0, torch.float8_e4m3fn
@@ -167,7 +150,7 @@ def swiglu_triton(
         h, None if quant else o, o[0].view(torch.uint8) if quant else None,
         o[1] if quant else None, n, f, nb, h.stride(0),
         QUANT=quant, FP8_MAX=fp8_max(fp8), EMAX_ELEM=emax_elem(fp8), EPS=EPS,
-        SCALE_MODE=mode, MB=mb, BIAS=bias, BF16=bf16, HW_CAST=h.is_cuda, BS=bs,
+        SCALE_MODE=mode, MB=mb, BIAS=bias, HW_CAST=h.is_cuda, BS=bs,
         GROUPS=groups, BLOCK_R=block_r, num_warps=nw,
     )
     return o
@@ -185,7 +168,7 @@ def swiglu_backward_triton(grad: torch.Tensor, h: torch.Tensor, *,
     br, bf, nw = swiglu_backward_tile(f)
     launch(swiglu_backward_kernel, (cdiv(n, br), cdiv(f, bf)),
         grad, h, gh, n, f, grad.stride(0), h.stride(0),
-        BF16=h.dtype == torch.bfloat16, HW_CAST=h.is_cuda, BLOCK_R=br, BLOCK_F=bf,
+        HW_CAST=h.is_cuda, BLOCK_R=br, BLOCK_F=bf,
         num_warps=nw,
     )
     return gh

@@ -21,7 +21,7 @@ from qmoe._triton import launch
 from qmoe.tensors import layouts
 from qmoe.tensors.layouts import EPS, SCALE_MODES, emax_elem, fp8_fields, scale_dtype
 from qmoe.tensors.recipes import fp8_max
-from qmoe.tensors.tuning import quantize_rows_tile
+from qmoe.tensors.tuning import dequantize_rows_tile, quantize_rows_tile
 
 # The SCALE_MODE values the kernels compare against (layouts.py says what each means), as
 # compile-time constants.
@@ -80,6 +80,24 @@ def to_fp32(x, HW_CAST: tl.constexpr):
     else:
         y = x.to(tl.float32)
     return y
+
+
+@triton.jit
+def round_to(x, ptr, HW_CAST: tl.constexpr):
+    """fp32 ``x`` rounded to ``ptr``'s element type (bf16, fp16 or fp32), RNE. Without
+    HW_CAST (the interpreter) bf16 rounds through its bits, NaN to 0x7FFF as the GPU's
+    ``cvt.rn.bf16.f32`` gives (torch's own cast gives 0x7FC0: only NaN's payload
+    differs)."""
+    dt = ptr.dtype.element_ty
+    if dt.is_fp32():
+        return x
+    elif HW_CAST or not dt.is_bf16():
+        return x.to(dt)
+    else:
+        bits = x.to(tl.int32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        rounded = tl.where(x != x, 0x7FFF, rounded)
+        return (rounded & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
@@ -216,6 +234,39 @@ def fp8_bits_to_fp32(b, MB: tl.constexpr, BIAS: tl.constexpr, HW_CAST: tl.conste
         return v
 
 
+@triton.jit
+def dequantize_rows_kernel(
+    q_ptr,  # (R, H) uint8 view of the fp8 bits, row stride stride_q, unit column stride
+    s_ptr,  # (R, NB) fp32 block scales, contiguous; () fp32 when PER_TENSOR
+    out_ptr,  # (R, H) bf16 / fp16 / fp32, contiguous
+    R,
+    H,
+    NB,
+    stride_q,
+    PER_TENSOR: tl.constexpr,
+    MB: tl.constexpr,
+    BIAS: tl.constexpr,
+    HW_CAST: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """``out = fp32(q) * scale`` rounded once to out's dtype: torch's ``qdata.float() *
+    scale`` then ``.to(dtype)``, in one pass."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = (rows < R)[:, None] & (cols < H)[None, :]
+    rows64 = rows.to(tl.int64)
+    b = tl.load(q_ptr + rows64[:, None] * stride_q + cols[None, :], mask=mask, other=0)
+    v = fp8_bits_to_fp32(b, MB, BIAS, HW_CAST)
+    if PER_TENSOR:
+        s = tl.load(s_ptr)
+    else:
+        s = tl.load(s_ptr + rows64[:, None] * NB + (cols // BS)[None, :], mask=mask, other=1.0)
+    y = round_to(v * s, out_ptr, HW_CAST)
+    tl.store(out_ptr + rows64[:, None] * H + cols[None, :], y, mask=mask)
+
+
 # -------------------------------------------------------------------------- launcher
 
 
@@ -282,3 +333,35 @@ def quantize_rows_triton(
         num_warps=num_warps,
     )
     return q, s_out
+
+
+def dequantize_rows_triton(
+    qdata: torch.Tensor,
+    scale: torch.Tensor,
+    block_size: int,
+    dtype: torch.dtype,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``qdata [..., H]`` (fp8) times ``scale`` (fp32: ``[..., ceil(H / block_size)]``
+    block scales, or ``[]`` per tensor) as ``dtype`` (bf16 / fp16 / fp32), in one launch
+    (CUDA, or CPU under ``TRITON_INTERPRET=1``). ``out``: preallocated (tests: poisoned).
+    No host sync."""
+    h = qdata.shape[-1]
+    o = torch.empty(qdata.shape, dtype=dtype, device=qdata.device) if out is None else out
+    if qdata.numel() == 0:
+        return o
+    q2 = qdata.reshape(-1, h)
+    if q2.stride(-1) != 1:
+        q2 = q2.contiguous()
+    per_tensor = scale.dim() == 0
+    nb = cdiv(h, block_size)
+    s2 = scale if per_tensor else scale.reshape(-1, nb).contiguous()
+    block_r, block_h, nw = dequantize_rows_tile(h)
+    mb, bias = fp8_fields(qdata.dtype)
+    launch(dequantize_rows_kernel, (cdiv(q2.shape[0], block_r), cdiv(h, block_h)),
+        q2.view(torch.uint8), s2, o, q2.shape[0], h, nb, q2.stride(0),
+        PER_TENSOR=per_tensor, MB=mb, BIAS=bias, HW_CAST=qdata.is_cuda, BS=block_size,
+        BLOCK_R=block_r, BLOCK_H=block_h, num_warps=nw,
+    )
+    return o
