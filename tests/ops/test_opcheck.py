@@ -152,7 +152,7 @@ def test_fake_matches_real(name):
         fake = op(*fargs)
     if real is None:  # an op that writes into its arguments (zero_tail_)
         assert fake is None
-        real, fake = args, fargs
+        real, fake = tuple(args), tuple(fargs)
     real = real if isinstance(real, tuple) else (real,)
     fake = fake if isinstance(fake, tuple) else (fake,)
     for r, f in zip(real, fake):
