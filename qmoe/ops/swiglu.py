@@ -43,9 +43,10 @@ def _check_h(op: str, h: torch.Tensor) -> None:
 
 def _swiglu_reference(h: torch.Tensor) -> torch.Tensor:
     """fp32 math, one rounding to h's dtype (the kernels' rule; torch's eager
-    ``F.silu(a) * b`` rounds twice)."""
-    a, b = h.float().chunk(2, dim=-1)
-    return (F.silu(a) * b).to(h.dtype)
+    ``F.silu(a) * b`` rounds twice). In place on one fp32 buffer: four passes."""
+    f = h.shape[1] // 2
+    act = F.silu(h[:, :f].float(), inplace=True)
+    return act.mul_(h[:, f:]).to(h.dtype)
 
 
 @define("swiglu(Tensor h) -> Tensor")
@@ -107,11 +108,16 @@ def _swiglu_backward(grad, h):
     """``grad_h [N, 2F]`` in h's dtype: the gradient of ``swiglu(h)`` given ``grad [N, F]``,
     fp32 math. Torch (CPU); one Triton launch on CUDA."""
     _check_backward(grad, h)
-    a, b = h.float().chunk(2, dim=-1)
+    f = grad.shape[1]
+    a, b = h[:, :f].float(), h[:, f:]
     g = grad.float()
     s = torch.sigmoid(a)
-    ga = g * b * s * (1 + a * (1 - s))
-    return torch.cat([ga, g * a * s], dim=-1).to(h.dtype)
+    silu = a * s
+    out = torch.empty(h.shape, dtype=h.dtype, device=h.device)
+    # grad_a = g * b * s * (1 + a - silu), grad_b = g * silu; fp32 buffers reused in place
+    out[:, :f] = a.sub_(silu).add_(1).mul_(s).mul_(g).mul_(b)
+    out[:, f:] = silu.mul_(g)
+    return out
 
 
 @_swiglu_backward.register_cuda
