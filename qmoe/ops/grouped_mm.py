@@ -155,7 +155,9 @@ def _zero_tail_(out, offsets):
 
 @_zero_tail_.register_cuda
 def _zero_tail_cuda(out, offsets):
-    zero_tail_triton(out, offsets)
+    if out.dim() != 2 or offsets.numel() == 0 or (out.shape[1] > 1 and out.stride(1) != 1):
+        return _zero_tail_.fn(out, offsets)  # (grouped_mm passes none of these)
+    zero_tail_triton(out, offsets.contiguous())
 
 
 @_zero_tail_.register_fake

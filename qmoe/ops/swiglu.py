@@ -45,7 +45,7 @@ def _swiglu_reference(h: torch.Tensor) -> torch.Tensor:
     """fp32 math, one rounding to h's dtype (the kernels' rule; torch's eager
     ``F.silu(a) * b`` rounds twice). In place on one fp32 buffer: four passes."""
     f = h.shape[1] // 2
-    act = F.silu(h[:, :f].float(), inplace=True)
+    act = F.silu(h[:, :f].to(torch.float32, copy=True), inplace=True)  # (fp32 h: a copy)
     return act.mul_(h[:, f:]).to(h.dtype)
 
 
@@ -109,7 +109,7 @@ def _swiglu_backward(grad, h):
     fp32 math. Torch (CPU); one Triton launch on CUDA."""
     _check_backward(grad, h)
     f = grad.shape[1]
-    a, b = h[:, :f].float(), h[:, f:]
+    a, b = h[:, :f].to(torch.float32, copy=True), h[:, f:]  # a is overwritten below
     g = grad.float()
     s = torch.sigmoid(a)
     silu = a * s

@@ -86,11 +86,12 @@ def zero_tail_tile(w: int) -> tuple[int, int, int]:
 def swiglu_tile(f: int, block_size: int | None) -> tuple[int, int, int, int]:
     """``(BLOCK_R, GROUPS, BS, num_warps)`` of ``swiglu_kernel`` over activations of ``f``
     columns: quantizing with blocks of ``block_size``, the quantize kernel's tile
-    (``quantize_rows_tile``: whole blocks, about 4096 elements); else 1024-column tiles
-    of about 4096 elements, 4 warps."""
+    (``quantize_rows_tile``: whole blocks, about 4096 elements; 8 warps at blocks of 8192
+    and wider); else 1024-column tiles of about 4096 elements, 4 warps."""
     if block_size is not None:
         block_r, groups, nw = quantize_rows_tile(block_size, cdiv(f, block_size))
-        return block_r, groups, block_size, nw
+        # a row of 8192+ (two fp32 halves live at once) spills at 4 warps (ptxas -v)
+        return block_r, groups, block_size, max(nw, 8) if block_size >= 8192 else nw
     bs = max(16, min(1024, next_pow2(f)))
     return max(1, 4096 // bs), 1, bs, 4
 

@@ -350,7 +350,7 @@ class QuantizedTensor(torch.Tensor):
 
     def _dequantize_raw(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         dtype = dtype or self.orig_dtype
-        if self.qdata.is_cuda and self.qdata.dim():
+        if self.qdata.is_cuda and self.qdata.dim() and dtype in HP_DTYPES:
             # one pass (``qmoe::dequantize_blocks``, defined with the quantize ops), the
             # same bits as the torch form below, which writes fp32 twice on the way
             q, s = self.qdata, self.scale_fp32()

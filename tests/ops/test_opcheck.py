@@ -103,6 +103,9 @@ def _cases():
         # inputs without requires_grad)
         hh = torch.randn(t, 2 * h, device=DEV).bfloat16()
         yield f"swiglu-{t}", ops.swiglu.default, (hh,)
+        yield f"swiglu_fp32-{t}", ops.swiglu.default, (hh.float(),)
+        yield (f"swiglu_backward_fp32-{t}", ops.swiglu_backward.default,
+               (torch.randn(t, h, device=DEV), hh.float()))
         yield (f"swiglu_quantize-{t}", ops.swiglu_quantize.default,
                (hh, 32, torch.float8_e4m3fn, "mx_floor"))
         yield (f"swiglu_backward-{t}", ops.swiglu_backward.default,

@@ -187,9 +187,12 @@ def test_dequantize_kernel_matches_torch(kdevice, fp8, dtype, recipe, shape):
     nb = -(-h // bs)
     if recipe == "per_tensor":
         scale = torch.tensor(0.37, device=kdevice)
-    elif recipe == "mx":
-        scale = (torch.randint(100, 150, (*shape[:-1], nb), dtype=torch.int32) << 23).view(
-            torch.float32).to(kdevice)
+    elif recipe == "mx":  # e8m0 bytes as fp32, byte 0 (2**-127) and 255 (NaN) among them
+        from qmoe.tensors.base import e8m0_to_fp32
+
+        b = torch.randint(100, 150, (*shape[:-1], nb), dtype=torch.uint8)
+        b.view(-1)[:2] = torch.tensor([0, 255], dtype=torch.uint8)[: b.numel()]
+        scale = e8m0_to_fp32(b).to(kdevice)
     else:
         scale = (torch.rand(*shape[:-1], nb) * 10.0 ** torch.randint(-30, 30, (1,))).to(kdevice)
     out = torch.full(shape, float("nan"), dtype=dtype, device=kdevice)
@@ -215,3 +218,7 @@ def test_dequantize_op_and_tensors():
     with pytest.raises(ValueError, match="scale must be"):
         torch.ops.qmoe.dequantize_blocks(bits, q.fp8_dtype, q.scale_fp32()[:, :1], 128,
                                          torch.bfloat16)
+    # dtypes the op does not take keep the torch form on every device
+    for t in (q, qmoe.quantize(x, qmoe.PerTensor())):
+        assert torch.equal(t.dequantize(torch.float64),
+                           (t.qdata.float() * t._scale_full()).double())

@@ -57,8 +57,8 @@ def quantize_cols_kernel(
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)  # (BLOCK_K,)
         mask = (ks < K)[:, None] & cmask[None, :]
-        x = to_fp32(tl.load(w_ptr + base + ks[:, None] * M + cols[None, :], mask=mask,
-                            other=0.0), HW_CAST)
+        x = to_fp32(tl.load(w_ptr + base + ks[:, None].to(tl.int64) * M + cols[None, :],
+                            mask=mask, other=0.0), HW_CAST)
         amax = tl.maximum(amax, tl.max(tl.abs(x), axis=0))
         has_nan = tl.maximum(has_nan, tl.max((x != x).to(tl.int32), axis=0))
     nan = tl.full((BLOCK_M,), 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
@@ -68,8 +68,8 @@ def quantize_cols_kernel(
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         mask = (ks < K)[:, None] & cmask[None, :]
-        x = to_fp32(tl.load(w_ptr + base + ks[:, None] * M + cols[None, :], mask=mask,
-                            other=0.0), HW_CAST)
+        x = to_fp32(tl.load(w_ptr + base + ks[:, None].to(tl.int64) * M + cols[None, :],
+                            mask=mask, other=0.0), HW_CAST)
         y = tl.math.div_rn(x, scale[None, :])
         y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX))
         q = fp32_to_fp8_bits(y, MB, BIAS, HW_CAST)  # (BLOCK_K, BLOCK_M)

@@ -11,8 +11,10 @@ are those of ``qmoe.quantize(swiglu(h), recipe)``: one pass over h instead of th
 activation written, read back and quantized. The backward reads ``grad [N, F]`` and h and
 writes ``grad_h [N, 2F]`` in one pass:
 ``grad_a = grad * b * s * (1 + a * (1 - s))`` and ``grad_b = grad * a * s``, ``s =
-sigmoid(a)``, in fp32. bf16 is rounded through its bits where there is no hardware cast
-(the interpreter), so CPU runs give the GPU's bits.
+sigmoid(a)``, in fp32 (``tl.exp`` is the GPU's approximate exponential: the fp32 math
+agrees with torch's to a few units in the last place, so the CUDA and CPU paths of these
+ops may differ by one rounding of the output). bf16 is rounded through its bits where
+there is no hardware cast (the interpreter), as the GPU rounds.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from qmoe.tensors.recipes import fp8_max
 @triton.jit
 def _silu_parts(a):
     """``(silu(a), sigmoid(a))`` in fp32."""
-    s = 1.0 / (1.0 + tl.exp(-a))
+    s = tl.math.div_rn(1.0, 1.0 + tl.exp(-a))
     return a * s, s
 
 

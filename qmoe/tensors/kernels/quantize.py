@@ -253,8 +253,11 @@ def dequantize_rows_kernel(
 ):
     """``out = fp32(q) * scale`` rounded once to out's dtype: torch's ``qdata.float() *
     scale`` then ``.to(dtype)``, in one pass."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    # one grid axis (a per-tensor H can pass 65535 column tiles): column tiles fastest
+    pid = tl.program_id(0).to(tl.int64)
+    nh = tl.cdiv(H, BLOCK_H)
+    rows = (pid // nh) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = (pid % nh) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = (rows < R)[:, None] & (cols < H)[None, :]
     rows64 = rows.to(tl.int64)
     b = tl.load(q_ptr + rows64[:, None] * stride_q + cols[None, :], mask=mask, other=0)
@@ -359,7 +362,7 @@ def dequantize_rows_triton(
     s2 = scale if per_tensor else scale.reshape(-1, nb).contiguous()
     block_r, block_h, nw = dequantize_rows_tile(h)
     mb, bias = fp8_fields(qdata.dtype)
-    launch(dequantize_rows_kernel, (cdiv(q2.shape[0], block_r), cdiv(h, block_h)),
+    launch(dequantize_rows_kernel, (cdiv(q2.shape[0], block_r) * cdiv(h, block_h),),
         q2.view(torch.uint8), s2, o, q2.shape[0], h, nb, q2.stride(0),
         PER_TENSOR=per_tensor, MB=mb, BIAS=bias, HW_CAST=qdata.is_cuda, BS=block_size,
         BLOCK_R=block_r, BLOCK_H=block_h, num_warps=nw,
