@@ -24,7 +24,7 @@ demo: setup
 test: setup
 	@if $(PY) -c "import torch, sys; sys.exit(torch.cuda.is_available())"; then \
 		export TRITON_INTERPRET=1; fi; \
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests --durations=25
 
 lint:
 	$(PY) -m pip install -q ruff import-linter

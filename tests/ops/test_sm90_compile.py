@@ -188,6 +188,31 @@ def _launches():
         # steps
         quantize_permute_triton(x7[:, :2880], rid, probs, n, bs, torch.float8_e4m3fn, mode,
                                 None, fill)
+    # the expert FFN's kernels: the weights' column quantize, the tail zeroing, SwiGLU
+    # (plain, quantizing, backward) and the one-pass dequantize
+    from qmoe.ops.kernels.grouped_mm import quantize_cols_triton, zero_tail_triton
+    from qmoe.ops.kernels.swiglu import swiglu_backward_triton, swiglu_triton
+    from qmoe.tensors.kernels.quantize import dequantize_rows_triton
+
+    for wdt in (torch.bfloat16, torch.float32):
+        quantize_cols_triton(torch.randn(2, 300, 96, dtype=wdt))
+    zero_tail_triton(y, torch.tensor([3, n // 2], dtype=torch.int32))
+    for hdt in (torch.bfloat16, torch.float32):
+        hh = torch.randn(t, 2 * h, dtype=hdt)
+        swiglu_triton(hh)
+        swiglu_backward_triton(torch.randn(t, h, dtype=hdt), hh)
+    hh = torch.randn(t, 2 * h, dtype=torch.bfloat16)
+    for bs, mode in ((256, "amax"), (128, "pow2"), (32, "mx_floor"), (32, "mx_rceil")):
+        swiglu_triton(hh, (bs, torch.float8_e4m3fn, mode))
+    swiglu_triton(torch.randn(t, 2 * 7168, dtype=torch.bfloat16),
+                  (8192, torch.float8_e4m3fn, "amax"))  # RowWise at F 7168: 8 warps
+    for recipe in (qmoe.PerTensor(), qmoe.Blockwise(), qmoe.MXFP8(), qmoe.RowWise(),
+                   qmoe.Blockwise(fp8_dtype=torch.float8_e5m2)):
+        q = qmoe.quantize(y.float(), recipe)
+        bs = q.block_size or h
+        s = q.scale_fp32().reshape(()) if q.block_size is None else q.scale_fp32()
+        for odt in (torch.bfloat16, torch.float16, torch.float32):
+            dequantize_rows_triton(q.qdata, s, bs, odt)
     quantize_rows_triton(x, 32, torch.float8_e5m2, "mx_rceil")
     given = torch.tensor(0.01)
     quantize_rows_triton(x, 512, torch.float8_e5m2, "given", given)
