@@ -38,12 +38,14 @@ def _layer(h=64, f=32, e=8, k=2, recipe=None, seed=0, **kw):
 def _reference(layer: MoE, x: torch.Tensor, routing_map: torch.Tensor):
     """fp64 output of ``layer`` on ``x`` for the kept routes ``routing_map``, and the fp64
     leaves ``(x, w_gate_up, w_down, router_weight)`` to take gradients from. The weights
-    are the bf16 values the layer's GEMMs see; the router runs in fp64 (x is bf16)."""
+    are the values the layer's GEMMs see (in its compute dtype); the router runs in fp64 (x
+    is in the compute dtype)."""
     r = layer.router
-    assert x.dtype == torch.bfloat16  # so that its fp64 is what the router and GEMMs read
+    dt = layer.compute_dtype
+    assert x.dtype == dt  # so that its fp64 is what the router and GEMMs read
     xd = x.detach().double().requires_grad_()
-    w1 = layer.w_gate_up.detach().bfloat16().double().requires_grad_()
-    w2 = layer.w_down.detach().bfloat16().double().requires_grad_()
+    w1 = layer.w_gate_up.detach().to(dt).double().requires_grad_()
+    w2 = layer.w_down.detach().to(dt).double().requires_grad_()
     wr = r.weight.detach().double().requires_grad_()
     logits = xd @ wr.t()
     scores = logits.softmax(-1) if r.score == "softmax" else logits.sigmoid()
@@ -90,6 +92,15 @@ def test_matches_fp64_loop(name, t, h):
     _, routing = _check_against_reference(layer, x0, FLOORS[name])
     assert (routing.routing_map.sum(1) == 2).all()  # dropless: every token keeps K routes
     assert routing.tokens_per_expert.sum() == 2 * t
+
+
+@pytest.mark.skipif(DEV != "cpu", reason="fp32 compute is a CPU option")
+def test_fp32_compute_matches_fp64_loop():
+    """``compute_dtype=torch.float32`` (CPU): fp32 rows, GEMMs and SwiGLU, far above the
+    bf16 floor (the SwiGLU's torch path works on its own fp32 buffers, not on h)."""
+    layer = _layer(h=64, compute_dtype=torch.float32)
+    x0 = torch.randn(63, 64, device=DEV)
+    _check_against_reference(layer, x0, 100.0)
 
 
 def test_deepseek_router_and_3d_input():
