@@ -25,6 +25,7 @@ import triton.language as tl
 
 from qmoe._intmath import cdiv
 from qmoe._triton import launch
+from qmoe.ops.launch import unit_stride
 from qmoe.ops.tuning import swiglu_backward_tile, swiglu_tile
 from qmoe.tensors.kernels.quantize import quantize_tile, round_to, to_fp32
 from qmoe.tensors.layouts import EPS, SCALE_MODES, emax_elem, fp8_fields, scale_dtype
@@ -116,10 +117,6 @@ def swiglu_backward_kernel(
 # ------------------------------------------------------------------------- launchers
 
 
-def _unit_cols(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def swiglu_triton(
     h: torch.Tensor,
     quantize: tuple[int, torch.dtype, str] | None = None,
@@ -132,7 +129,7 @@ def swiglu_triton(
     ``(bits [N, F] fp8, scales [N, NB])`` of that activation. ``out``: preallocated
     outputs (tests: poisoned). No host sync."""
     n, f = h.shape[0], h.shape[1] // 2
-    h = _unit_cols(h)
+    h = unit_stride(h)
     if quantize is None:
         o = torch.empty((n, f), dtype=h.dtype, device=h.device) if out is None else out
         bs, nb, mode, fp8 = None, 1, 0, torch.float8_e4m3fn
@@ -166,7 +163,7 @@ def swiglu_backward_triton(grad: torch.Tensor, h: torch.Tensor, *,
     gh = torch.empty((n, 2 * f), dtype=h.dtype, device=h.device) if out is None else out
     if n == 0 or f == 0:
         return gh
-    grad, h = _unit_cols(grad), _unit_cols(h)
+    grad, h = unit_stride(grad), unit_stride(h)
     br, bf, nw = swiglu_backward_tile(f)
     launch(swiglu_backward_kernel, (cdiv(n, br), cdiv(f, bf)),
         grad, h, gh, n, f, grad.stride(0), h.stride(0),
