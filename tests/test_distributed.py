@@ -10,6 +10,7 @@ tolerances below (rtol 1e-6 on outputs and x gradients), the same on either back
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
@@ -173,8 +174,7 @@ def _worker(rank, world, port, seed, cases, backend="gloo"):
     if backend == "nccl":
         torch.cuda.set_device(rank)
         dev = f"cuda:{rank}"
-    init_group(rank, world, port, backend)
-    try:
+    with process_group(rank, world, port, backend):
         for case in cases:
             _run_case(rank, world, seed, *case, dev=dev)
         # The function API as well as the module, and a different-scales per-tensor case.
@@ -204,8 +204,6 @@ def _worker(rank, world, port, seed, cases, backend="gloo"):
         y = combine(expert_in.dequantize(), h)
         yr = qmoe.moe_unpermute(*_plain_roundtrip(q, mask), probs)
         torch.testing.assert_close(y.float(), yr.float(), rtol=0.13, atol=0.05)  # one fp8 step
-    finally:
-        dist.destroy_process_group()
 
 
 def _plain_roundtrip(q, mask):
@@ -219,11 +217,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_group(rank: int, world: int, port: int, backend: str = "gloo",
-               seconds: int = 120) -> None:
-    """A worker's process group on this machine (loopback, bounded timeout)."""
+@contextlib.contextmanager
+def process_group(rank: int, world: int, port: int, backend: str = "gloo",
+                  seconds: int = 120):
+    """A worker's process group on this machine (loopback, bounded timeout), destroyed on
+    the way out. A worker that finishes waits at a barrier first, so that no rank tears
+    down its sockets (rank 0: the store's server too) while a peer still uses them; a
+    worker that raises leaves at once (its peers' collectives fail by the timeout)."""
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=seconds))
+    try:
+        yield
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
 
 
 def spawn_seeded(worker, world: int, *args, label: str = "distributed") -> None:
@@ -288,8 +295,7 @@ def _run_block(fn, x, probs, mask, gy):
 
 
 def _compile_worker(rank, world, port, seed, names, cap):
-    init_group(rank, world, port)
-    try:
+    with process_group(rank, world, port):
         if world == 1:  # the op quantized rows travel through: schema, fake, autograd
             for n in (6, 0):
                 rows = torch.randn(n, H, requires_grad=True)
@@ -306,8 +312,6 @@ def _compile_worker(rank, world, port, seed, names, cap):
             assert torch.equal(got[0].raw_scale, want[0].raw_scale), name
             for i, what in enumerate(("tokens per expert", "y", "x grad", "probs grad"), 1):
                 assert torch.equal(got[i], want[i]), f"{name}: {what} differs"
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.compile
@@ -335,8 +339,7 @@ def test_dispatch_refuses_expert_ids_as_a_mask():
 
 
 def _fused_quantize_worker(rank, world, port, seed):
-    init_group(rank, world, port)
-    try:
+    with process_group(rank, world, port):
         x, mask, probs = _inputs(seed, world, "random")[rank]
         for name in ("blockwise", "mxfp8", "pertensor"):
             recipe = RECIPES[name]
@@ -361,8 +364,6 @@ def _fused_quantize_worker(rank, world, port, seed):
                 raise AssertionError(f"dispatch took bad input ({msg})")
             except TypeError as err:
                 assert msg in str(err), err
-    finally:
-        dist.destroy_process_group()
 
 
 def test_dispatch_fused_quantize_matches_quantize_then_dispatch():
@@ -373,8 +374,7 @@ def test_dispatch_fused_quantize_matches_quantize_then_dispatch():
 
 
 def _index_map_worker(rank, world, port, seed):
-    init_group(rank, world, port)
-    try:
+    with process_group(rank, world, port):
         e = world * L
         g = torch.Generator().manual_seed(seed + rank)
         t, k = 9, 2
@@ -404,8 +404,6 @@ def _index_map_worker(rank, world, port, seed):
                 raise AssertionError(f"dispatch took a bad index map ({msg})")
             except exc as err:
                 assert msg in str(err), err
-    finally:
-        dist.destroy_process_group()
 
 
 def test_dispatch_index_map_matches_mask():

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import qmoe
 from qmoe.nn import MoE
 from tests.tensors.helpers import sqnr_db
-from tests.test_distributed import init_group, spawn_seeded
+from tests.test_distributed import process_group, spawn_seeded
 
 H, F_, K = 40, 24, 2
 RECIPES = {"bf16": None, "rowwise": qmoe.RowWise(), "pertensor": qmoe.PerTensor()}
@@ -45,8 +45,7 @@ def _assert_rounding_apart(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
 
 
 def _worker(rank, world, port, seed, cases):
-    init_group(rank, world, port)
-    try:
+    with process_group(rank, world, port):
         for name, cf in cases:
             g = torch.Generator().manual_seed(seed + rank)
             # dropless: uneven T per rank; a capacity needs one T on every rank (C comes
@@ -83,8 +82,6 @@ def _worker(rank, world, port, seed, cases):
                     assert sqnr_db(b, a) > 40, (name, cf, i, sqnr_db(b, a))
                 else:  # bf16 out and x gradient: one bf16 rounding apart at most
                     _assert_rounding_apart(a, b, f"{name} cf={cf} pair {i}")
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -93,8 +90,7 @@ def test_ep_layer_matches_single_process(world):
 
 
 def _compile_worker(rank, world, port, seed):
-    init_group(rank, world, port, seconds=300)
-    try:
+    with process_group(rank, world, port, seconds=300):
         g = torch.Generator().manual_seed(seed + rank)
         x0 = torch.randn(16, H, generator=g).bfloat16()
         layer = _make(world, qmoe.RowWise(), 1.0, group=dist.group.WORLD)
@@ -106,8 +102,6 @@ def _compile_worker(rank, world, port, seed):
         assert sqnr_db(want[0], got[0]) > 27 and sqnr_db(want[2], got[2]) > 27
         for a, p in zip(grads, layer.parameters()):
             assert sqnr_db(p.grad, a) > 27
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.compile
