@@ -647,21 +647,69 @@ Tensor unpermute_fp8(const Tensor& qbits, const Tensor& scale, const Tensor& rid
   return out;
 }
 
-// An element as fp32: bf16 widened through its bits (exact; c10's conversion does not
-// vectorize), other dtypes by their conversion.
+// Dot products of the merge weights' gradient: products in fp32 (exact for bf16 and fp16
+// inputs), summed in 16 fp32 lanes (column j into lane j % 16, the lanes combined in a
+// fixed tree), so the loop vectorizes (AVX2 where the CPU has it) and the result does not
+// depend on the thread count. Error at most (h + 1) 2^-24 sum |a b|, like any fp32 sum.
+constexpr int kDotLanes = 16;
+
+inline float tree_sum(const float* acc) {
+  float v[kDotLanes / 2];
+  for (int u = 0; u < kDotLanes / 2; ++u) v[u] = acc[u] + acc[u + kDotLanes / 2];
+  for (int w = kDotLanes / 4; w >= 1; w /= 2)
+    for (int u = 0; u < w; ++u) v[u] = v[u] + v[u + w];
+  return v[0];
+}
+
+inline float bf16_bits_to_float(uint16_t x) {
+  const uint32_t u = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+__attribute__((target_clones("avx2", "default"))) float dot_bf16(const uint16_t* a,
+                                                                 const uint16_t* b,
+                                                                 int64_t h) {
+  float acc[kDotLanes] = {};
+  int64_t j = 0;
+  for (; j + kDotLanes <= h; j += kDotLanes)
+    for (int u = 0; u < kDotLanes; ++u)
+      acc[u] += bf16_bits_to_float(a[j + u]) * bf16_bits_to_float(b[j + u]);
+  for (; j < h; ++j) acc[j % kDotLanes] += bf16_bits_to_float(a[j]) * bf16_bits_to_float(b[j]);
+  return tree_sum(acc);
+}
+
+__attribute__((target_clones("avx2", "default"))) float dot_f32(const float* a, const float* b,
+                                                                int64_t h) {
+  float acc[kDotLanes] = {};
+  int64_t j = 0;
+  for (; j + kDotLanes <= h; j += kDotLanes)
+    for (int u = 0; u < kDotLanes; ++u) acc[u] += a[j + u] * b[j + u];
+  for (; j < h; ++j) acc[j % kDotLanes] += a[j] * b[j];
+  return tree_sum(acc);
+}
+
 template <typename scalar_t>
-inline float as_float(scalar_t v) {
+float dot_row(const scalar_t* a, const scalar_t* b, int64_t h) {
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-    const uint32_t u = static_cast<uint32_t>(v.x) << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-  } else {
-    return static_cast<float>(v);
+    return dot_bf16(reinterpret_cast<const uint16_t*>(a), reinterpret_cast<const uint16_t*>(b),
+                    h);
+  } else if constexpr (std::is_same_v<scalar_t, float>) {
+    return dot_f32(a, b, h);
+  } else if constexpr (std::is_same_v<scalar_t, double>) {  // fp64 rows: an fp64 sum
+    double acc = 0;
+    for (int64_t j = 0; j < h; ++j) acc += a[j] * b[j];
+    return static_cast<float>(acc);
+  } else {  // fp16: products exact in fp32
+    float acc[kDotLanes] = {};
+    for (int64_t j = 0; j < h; ++j)
+      acc[j % kDotLanes] += static_cast<float>(a[j]) * static_cast<float>(b[j]);
+    return tree_sum(acc);
   }
 }
 
-// gw[t, col] = <grad[t], x[row]> over each kept route (row, col) of t, in fp64.
+// gw[t, col] = <grad[t], x[row]> over each kept route (row, col) of t, in fp32.
 Tensor merge_weight_grad(const Tensor& grad, const Tensor& x_in, const Tensor& rid, int64_t p) {
   auto g = grad.contiguous();
   auto x = x_in.scalar_type() == g.scalar_type() ? x_in.contiguous()
@@ -675,20 +723,7 @@ Tensor merge_weight_grad(const Tensor& grad, const Tensor& x_in, const Tensor& r
     for_each_route(rid, [&](int64_t i, const int32_t* dst, const int32_t* col, int32_t cnt) {
       for (int32_t s = 0; s < cnt; ++s) {
         check_col(col[s], p, i);
-        // fp64 sums keep it close to the fp64 reference; eight partial sums (column j into
-        // sum j % 8, combined in a fixed tree) break the chain of dependent adds, so the
-        // dot product vectorizes; the order is fixed, so the result is deterministic.
-        const scalar_t* a = gp + i * h;
-        const scalar_t* b = xp + static_cast<int64_t>(dst[s]) * h;
-        double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        int64_t j = 0;
-        for (; j + 8 <= h; j += 8)
-          for (int u = 0; u < 8; ++u)
-            acc[u] += static_cast<double>(as_float(a[j + u])) * as_float(b[j + u]);
-        for (; j < h; ++j) acc[j % 8] += static_cast<double>(as_float(a[j])) * as_float(b[j]);
-        const double sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) +
-                           ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-        o[i * p + col[s]] = static_cast<float>(sum);
+        o[i * p + col[s]] = dot_row(gp + i * h, xp + static_cast<int64_t>(dst[s]) * h, h);
       }
     });
   });
