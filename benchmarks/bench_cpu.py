@@ -7,7 +7,9 @@ r"""CPU paths side by side: C++ kernels (qmoe._C), the vectorized torch path, pl
 Configs (T, H, E, K), bf16: dsv3 (4096, 7168, 256, 8), mixtral (8192, 4096, 8, 2), and the
 small cpu256 (256, 256, 8, 2) and cpu1024 (1024, 1024, 8, 2) where per-call overhead shows;
 ``--configs`` picks others of the shared table (``--configs tiny``: a smoke run).
-Bytes: each input row read once and each output row written once. The ceiling is a
+Calls under 50 ms also get the best of 9 rounds of back-to-back calls (``*_best_ms``),
+the implementations taken in turn. Bytes: each input row read once and each output row
+written once. The ceiling is a
 single-threaded memcpy (numpy copyto of 512 MiB, bytes read + written, into a buffer
 already written once) measured in the same run; next to it the same copy into a fresh
 buffer each time (what any op with a new large output pays: with glibc's defaults every
@@ -29,6 +31,7 @@ import json
 import os
 import resource
 import sys
+import time
 
 import numpy as np
 import torch
@@ -38,6 +41,8 @@ from benchmarks.common import CONFIGS, median_ms
 from qmoe._backends import cpp_loaded
 from qmoe.ops import torch_impl
 from qmoe.ops.row_id_map import _mask_rows
+
+BEST_OF_MAX_MS = 50  # longer calls get the median alone (best-of rounds would take minutes)
 
 
 def memcpy_gbs(fresh: bool = False) -> float:
@@ -115,9 +120,23 @@ def run_config(name: str, bw: float, iters: int, cpp_only: bool = False) -> list
         sys_ms = (resource.getrusage(resource.RUSAGE_SELF).ru_stime - sys0) / (iters + 1) * 1e3
         res.update({k_: median_ms(f, warmup=1, iters=iters) for k_, f in impls.items()
                     if k_ != "c++"})
+        # Where a call is short, also the best of 9 rounds of back-to-back calls, taken
+        # in turn for each implementation: a VM's noisy neighbours move medians by up to 2x
+        # between runs, the best round much less (it is what the code costs unperturbed).
+        best = {}
+        if max(res.values()) < BEST_OF_MAX_MS:
+            per = max(1, int(20 / max(res.values())))  # about 20 ms a round
+            for _ in range(9):
+                for k_, f in impls.items():
+                    t0 = time.perf_counter()
+                    for _ in range(per):
+                        f()
+                    ms = (time.perf_counter() - t0) / per * 1e3
+                    best[k_] = min(best.get(k_, ms), ms)
         gbs = move / (res["c++"] * 1e-3) / 1e9
         row = {"config": name, "T": t, "H": h, "E": e, "K": k, "op": op,
                **{f"{k_}_ms": round(v, 3) for k_, v in res.items()},
+               **{f"{k_}_best_ms": round(v, 3) for k_, v in best.items()},
                "c++_system_ms_per_call": round(sys_ms, 2)}
         if not op.startswith("MoE step"):  # (a step is not one pass over the rows)
             row.update({"c++_GB/s": round(gbs, 2), "pct_memcpy": round(100 * gbs / bw, 1)})
@@ -125,8 +144,12 @@ def run_config(name: str, bw: float, iters: int, cpp_only: bool = False) -> list
             row["speedup_vs_torch_path"] = round(res["torch path"] / res["c++"], 2)
         if "plain pytorch" in res:
             row["speedup_vs_plain"] = round(res["plain pytorch"] / res["c++"], 2)
+            if best:
+                row["best_speedup_vs_plain"] = round(best["plain pytorch"] / best["c++"], 2)
         rows.append(row)
         others = "".join(f", {k_} {v:8.2f} ms" for k_, v in res.items() if k_ != "c++")
+        if best:
+            others += " (best rounds: " + ", ".join(f"{k_} {v:.3f}" for k_, v in best.items()) + ")"
         pct = f"{row['pct_memcpy']:5.1f}% of memcpy; " if "pct_memcpy" in row else ""
         print(f"{name:>8} {op:>26}: c++ {res['c++']:8.3f} ms ({pct}system time "
               f"{sys_ms:6.2f} ms a call){others}", file=sys.stderr)
