@@ -39,7 +39,11 @@ import torch.nn.functional as F
 from qmoe._intmath import next_pow2
 from qmoe._library import define
 from qmoe.ops import checks as C
-from qmoe.ops.kernels.grouped_mm import quantize_cols_triton, zero_tail_triton
+from qmoe.ops.kernels.grouped_mm import (
+    check_offsets_triton,
+    quantize_cols_triton,
+    zero_tail_triton,
+)
 from qmoe.tensors.base import QuantizedTensor, register_passthrough
 from qmoe.tensors.layouts import EPS, OP_BLOCK_SIZES
 from qmoe.tensors.recipes import Blockwise, PerTensor, RowWise, fp8_max
@@ -329,7 +333,9 @@ def _check(fn, rows, weight, offsets) -> None:
         raise ValueError(f"{fn}: grouped GEMMs need rows of a multiple of 16 bytes: K={k} and "
                          f"M={m} in {weight.dtype} must be multiples of {16 // elem}; pad the "
                          "hidden and expert widths")
-    if e and offsets.numel():
+    if e and offsets.is_cuda and not C.is_compiling():
+        check_offsets_triton(offsets, rows.shape[0])  # one launch (device assert)
+    elif e:
         ok = (offsets[0] >= 0) & (offsets[-1] <= rows.shape[0])
         if e > 1:
             ok = ok & (offsets[1:] >= offsets[:-1]).all()

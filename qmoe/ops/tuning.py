@@ -80,6 +80,13 @@ def zero_tail_tile(w: int) -> tuple[int, int, int]:
     return 16, max(16, min(1024, next_pow2(w))), 4
 
 
+def check_offsets_tile(e: int) -> tuple[int, int]:
+    """``(BLOCK_E, num_warps)`` of ``check_offsets_kernel``: every offset in one program
+    (E is at most a few thousand experts), 1 warp, 4 above 1024 experts. Untimed: the
+    launch is host-bound."""
+    return max(16, next_pow2(e)), 1 if e <= 1024 else 4
+
+
 # ------------------------------------------------------------------------------ SwiGLU
 
 

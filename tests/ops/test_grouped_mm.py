@@ -2,6 +2,10 @@
 gradients, SQNR floors per path; quantized rows, empty groups, a tail past the last
 offset, bad input, compile; on Hopper the FP8 row-wise path."""
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -367,6 +371,39 @@ def test_zero_tail_kernel(kdevice, n, w, counts):
     assert_same_bits(out, want)
     assert torch.equal(base[:, :2].isnan(), (torch.arange(n, device=kdevice) < n // 2)[:, None]
                        .expand(n, 2))
+
+
+_CHECK_OFFSETS_CHILD = """
+import torch
+from qmoe.ops.kernels.grouped_mm import check_offsets_triton
+check_offsets_triton(torch.tensor([100, 200], dtype=torch.int32, device="cuda"), 163)
+torch.cuda.synchronize()
+print("no error")
+"""
+
+
+def test_check_offsets_kernel(kdevice, interpreter_asserts):
+    """``check_offsets_kernel`` (eager CUDA's offsets check, one launch): rising offsets
+    from 0 up to N pass, at 1 to 3000 experts; falling ones, a negative first or a last
+    past N fail its device assert (under the interpreter each raises; on CUDA, where an
+    assert ends the context, the framework team's [100, 200] for 163 rows runs in a child
+    process)."""
+    from qmoe.ops.kernels.grouped_mm import check_offsets_triton
+
+    for counts, n in (([0], 0), ([5], 5), ([20, 0, 30], 63), ([1] * 3000, 3000)):
+        check_offsets_triton(_offsets(counts, kdevice), n)
+    if kdevice == "cpu":
+        from triton.runtime.errors import InterpreterError
+
+        for offs, n in (([100, 200], 163), ([100, 50], 163), ([-1, 100], 163), ([4], 3),
+                        (list(range(1, 2001)) + [1999], 3000)):
+            with pytest.raises(InterpreterError, match="offsets must rise"):
+                check_offsets_triton(torch.tensor(offs, dtype=torch.int32), n)
+        return
+    r = subprocess.run([sys.executable, "-c", _CHECK_OFFSETS_CHILD], capture_output=True,
+                       text=True, timeout=300, cwd=Path(__file__).parents[2])
+    assert r.returncode != 0 and "no error" not in r.stdout, r.stderr[-2000:]
+    assert "offsets must rise" in r.stdout + r.stderr, r.stderr[-4000:]
 
 
 def test_zero_tail_op():

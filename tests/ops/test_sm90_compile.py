@@ -188,15 +188,21 @@ def _launches():
         # steps
         quantize_permute_triton(x7[:, :2880], rid, probs, n, bs, torch.float8_e4m3fn, mode,
                                 None, fill)
-    # the expert FFN's kernels: the weights' column quantize, the tail zeroing, SwiGLU
-    # (plain, quantizing, backward) and the one-pass dequantize
-    from qmoe.ops.kernels.grouped_mm import quantize_cols_triton, zero_tail_triton
+    # the expert FFN's kernels: the weights' column quantize, the tail zeroing, the offsets
+    # check, SwiGLU (plain, quantizing, backward) and the one-pass dequantize
+    from qmoe.ops.kernels.grouped_mm import (
+        check_offsets_triton,
+        quantize_cols_triton,
+        zero_tail_triton,
+    )
     from qmoe.ops.kernels.swiglu import swiglu_backward_triton, swiglu_triton
     from qmoe.tensors.kernels.quantize import dequantize_rows_triton
 
     for wdt in (torch.bfloat16, torch.float32):
         quantize_cols_triton(torch.randn(2, 300, 96, dtype=wdt))
     zero_tail_triton(y, torch.tensor([3, n // 2], dtype=torch.int32))
+    for e in (2, 2000):  # 1 warp and 4
+        check_offsets_triton(torch.arange(e, dtype=torch.int32), e)
     for hdt in (torch.bfloat16, torch.float32):
         hh = torch.randn(t, 2 * h, dtype=hdt)
         swiglu_triton(hh)

@@ -1,7 +1,9 @@
-"""Triton code of ``qmoe.grouped_mm``'s FP8 helpers, with their launchers at the end:
-the expert weights quantized per output column and written transposed
-(``quantize_cols_kernel``, the CUDA kernel of ``qmoe::quantize_cols``), and the rows past
-the last group zeroed in place (``zero_tail_kernel``, of ``qmoe::zero_tail_``).
+"""Triton code of ``qmoe.grouped_mm``'s helpers, with their launchers at the end: the
+expert weights quantized per output column and written transposed
+(``quantize_cols_kernel``, the CUDA kernel of ``qmoe::quantize_cols``), the rows past the
+last group zeroed in place (``zero_tail_kernel``, of ``qmoe::zero_tail_``), and the
+offsets checked in one launch (``check_offsets_kernel``: a device assert, for eager CUDA
+calls, where the same check in torch ops is seven launches).
 
 Glossary: E experts, K the contraction dim, M the output width, N rows, BLOCK_K x BLOCK_M
 a tile of one expert's ``[K, M]`` matrix.
@@ -22,7 +24,8 @@ import triton.language as tl
 
 from qmoe._intmath import cdiv
 from qmoe._triton import launch
-from qmoe.ops.tuning import quantize_cols_tile, zero_tail_tile
+from qmoe.ops.launch import assert_options
+from qmoe.ops.tuning import check_offsets_tile, quantize_cols_tile, zero_tail_tile
 from qmoe.tensors.kernels.quantize import fp32_to_fp8_bits, to_fp32
 from qmoe.tensors.layouts import EPS, fp8_fields
 from qmoe.tensors.recipes import fp8_max
@@ -100,6 +103,23 @@ def zero_tail_kernel(
                      mask=todo[:, None] & (cols < W)[None, :])
 
 
+@triton.jit
+def check_offsets_kernel(
+    offs_ptr,  # (E,) int32: each group's end row
+    E,
+    N,  # the rows' count
+    BLOCK_E: tl.constexpr,  # >= E, a power of 2
+):
+    """One program: ``0 <= offs[0] <= offs[1] <= ... <= offs[E - 1] <= N``, else a device
+    assert (compiled in by ``assert_options``)."""
+    i = tl.arange(0, BLOCK_E)
+    cur = tl.load(offs_ptr + i, mask=i < E, other=0)
+    prev = tl.load(offs_ptr + i - 1, mask=(i >= 1) & (i < E), other=0)
+    ok = (i >= E) | ((cur >= prev) & (cur <= N))
+    tl.device_assert(ok, "qmoe grouped_mm: offsets must rise from >= 0 to at most N (the "
+                     "rows' count); pass qmoe.expert_offsets of the permute's counts")
+
+
 # ------------------------------------------------------------------------- launchers
 
 
@@ -146,3 +166,14 @@ def zero_tail_triton(out: torch.Tensor, offsets: torch.Tensor) -> None:
         out, offsets, n, w, offsets.shape[0], out.stride(0),
         BLOCK_R=br, BLOCK_W=bw, num_warps=nw,
     )
+
+
+def check_offsets_triton(offsets: torch.Tensor, n: int) -> None:
+    """Device-assert that int32 ``offsets [E]`` rise from >= 0 to at most ``n``: one launch,
+    no host sync (a failure surfaces at the next synchronizing call, as CUDA asserts do)."""
+    e = offsets.shape[0]
+    if e == 0:
+        return
+    be, nw = check_offsets_tile(e)
+    launch(check_offsets_kernel, (1,), offsets.contiguous(), e, n, BLOCK_E=be, num_warps=nw,
+           **assert_options())
