@@ -84,3 +84,27 @@ def test_backward_kernel_counts():
     got = launches(lambda: torch.autograd.grad(merged, (y, p), gm, retain_graph=True))
     glue = [name for name in got if name not in ours]
     assert len(got) <= 2 and len(glue) <= 1, got  # glue: the input gradient's zero fill
+
+
+@pytest.mark.parametrize("path", ["bf16", "fp8_weights_given", "fp8"])
+def test_grouped_mm_forward_kernel_counts(path):
+    """``qmoe.grouped_mm`` forward: the offsets check (one qmoe launch), the grouped GEMM
+    and the tail zeroing; with FP8 weights quantized in the call, their column quantize
+    too. No other glue (bf16: at most 3 kernels; FP8 with the weights given: 3; FP8: 4)."""
+    if torch.cuda.get_device_capability()[0] != 9 and path != "bf16":
+        pytest.skip("the FP8 grouped GEMM runs on compute capability 9.x")
+    ours = _our_kernels()
+    e, k, m, n = 8, 512, 256, 1000
+    counts = torch.full((e,), n // e - 3, dtype=torch.int64, device="cuda")
+    offsets = torch.cumsum(counts, 0).to(torch.int32)  # a tail past the last group
+    w = torch.randn(e, k, m, device="cuda", dtype=torch.bfloat16)
+    rows = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    if path != "bf16":
+        rows = qmoe.quantize(rows, qmoe.RowWise())
+    wq = qmoe.quantize_expert_weights(w) if path == "fp8_weights_given" else None
+    got = launches(lambda: qmoe.grouped_mm(rows, w, offsets, weight_fp8=wq))
+    mine = [name for name in got if name in ours]
+    want = {"check_offsets_kernel", "zero_tail_kernel"} | (
+        {"quantize_cols_kernel"} if path == "fp8" else set())
+    assert set(mine) == want and len(mine) == len(want), got
+    assert len(got) <= len(want) + 1, got  # + the GEMM
