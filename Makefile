@@ -20,11 +20,13 @@ demo: setup
 	@$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install -q "matplotlib>=3.7"
 	$(PY) -m qmoe.demo
 
-# Triton kernels run through the interpreter on machines without a GPU.
+# Triton kernels run through the interpreter on machines without a GPU. TEST_WORKERS pytest
+# processes share the tests (pytest-xdist; CI's machine has two cores; 0: one process).
+TEST_WORKERS ?= 2
 test: setup
 	@if $(PY) -c "import torch, sys; sys.exit(torch.cuda.is_available())"; then \
 		export TRITON_INTERPRET=1; fi; \
-	$(PY) -m pytest tests --durations=25
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --durations=25
 
 lint:
 	$(PY) -m pip install -q ruff import-linter
