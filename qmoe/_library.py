@@ -28,11 +28,19 @@ class Op:
     """A defined ``qmoe::`` op: ``fn`` is its default kernel (the torch path), which a CUDA
     kernel may call for the cases it leaves to torch.
 
-    Calling the ``Op`` runs ``torch.ops.qmoe.<name>``, except in the one case where the
-    dispatcher would only pass the call through to the CUDA kernel: an eager call on plain
-    CUDA tensors that needs no gradient, with no mode, transform, tracer or profiler active
-    (``direct_call_ok``). That case calls the CUDA kernel directly, skipping the dispatcher
-    and the Python autograd layer of ``torch.library`` (most of a small call's host time)."""
+    Calling the ``Op`` runs ``torch.ops.qmoe.<name>``, except for eager calls on plain
+    tensors with no mode, transform, tracer or profiler active (``eager_route``), where the
+    dispatcher's layers would only pass the call through:
+
+    - no gradient needed: the CUDA kernel is called directly; on other devices an op with
+      an autograd formula runs its kernel below autograd (skipping ``torch.library``'s
+      Python autograd layer, which runs even when no input needs a gradient);
+    - a gradient needed: the op's formula (the same ``backward`` and ``setup_context``
+      registered with ``torch.library``) runs as an ``autograd.Function`` around the
+      kernel, without the dispatcher's two passes through Python.
+
+    Traced, transformed, subclass and profiled calls keep the dispatcher, whose autograd
+    uses the same formula; most of a small call's host time is these layers."""
 
     def __init__(self, name: str, fn: Callable) -> None:
         self.name = name
@@ -40,6 +48,15 @@ class Op:
         self.fn = fn
         self.cuda: Callable | None = None
         self.packet = getattr(torch.ops.qmoe, name)
+        self._overload = self.packet.default
+        schema = self._overload._schema
+        self._nargs = len(schema.arguments)
+        # The direct autograd path takes every argument positionally: no keyword-only,
+        # list or mutated arguments (then the dispatcher's autograd serves every call).
+        self._plain_schema = not any(
+            a.kwarg_only or a.alias_info is not None or isinstance(a.type, torch.ListType)
+            for a in schema.arguments)
+        self._function: type[torch.autograd.Function] | None = None
 
     def register_fake(self, fn: Callable) -> Callable:
         torch.library.register_fake(self.qualname, fn, lib=_LIB)
@@ -57,42 +74,95 @@ class Op:
         torch.library.register_autograd(
             self.qualname, backward, setup_context=setup_context, lib=_LIB
         )
+        if self._plain_schema:
+            self._function = _direct_function(self, backward, setup_context)
 
     @property
     def default(self) -> torch._ops.OpOverload:
         """The op's overload (``torch.ops.qmoe.<name>.default``), e.g. for
         ``register_passthrough``."""
-        return getattr(torch.ops.qmoe, self.name).default
+        return self._overload
+
+    def below_autograd(self, *args):
+        """The op's kernel for ``args`` (all positional), past autograd: the CUDA kernel
+        itself for CUDA tensors, else the dispatcher from below its autograd keys."""
+        if self.cuda is not None and _first_is_cuda(args):
+            return self.cuda(*args)
+        with torch._C._AutoDispatchBelowAutograd():
+            return self._overload(*args)
 
     def __call__(self, *args):
-        if self.cuda is not None and direct_call_ok(args):
-            return self.cuda(*args)
+        route = eager_route(args)
+        if route == NO_GRAD:
+            if self.cuda is not None and _first_is_cuda(args):
+                return self.cuda(*args)
+            if self._function is not None and len(args) == self._nargs:
+                return self.below_autograd(*args)
+        elif route == NEEDS_GRAD and self._function is not None and len(args) == self._nargs:
+            return self._function.apply(*args)
         return self.packet(*args)
 
 
-def direct_call_ok(args: tuple) -> bool:
-    """Whether a call with ``args`` may go straight to an op's CUDA kernel: not traced
-    (compile, export), its first tensor a CUDA tensor, every tensor a plain
-    ``torch.Tensor`` (no subclass, no fake tensor) needing no gradient here, and no
-    dispatch or function mode, functorch transform or profiler active (the profiler keeps
-    the op's name in its trace through the dispatcher). Then the dispatcher's path would
-    reach the same kernel with the same arguments and attach nothing to the outputs."""
-    if torch.compiler.is_compiling():
-        return False
-    grad = torch.is_grad_enabled()
-    cuda = None
+def _direct_function(op: Op, backward: Callable, setup_context: Callable):
+    """``op``'s autograd formula as an ``autograd.Function`` over its kernel (``Op``'s
+    direct path): ``setup_context(ctx, inputs, output)`` after the kernel, ``backward(ctx,
+    *grads)`` returning one gradient per input, as ``torch.library.register_autograd``
+    runs them. One class per op, made at import."""
+
+    def forward(ctx, *args):
+        out = op.below_autograd(*args)
+        setup_context(ctx=ctx, inputs=args, output=out)
+        return out
+
+    def run_backward(ctx, *grads):
+        return backward(ctx, *grads)
+
+    return type(f"Direct_{op.name}", (torch.autograd.Function,),
+                {"forward": staticmethod(forward), "backward": staticmethod(run_backward)})
+
+
+DISPATCHER, NO_GRAD, NEEDS_GRAD = 0, 1, 2
+
+
+def _first_is_cuda(args: tuple) -> bool:
     for a in args:
         if isinstance(a, torch.Tensor):
-            if type(a) is not torch.Tensor or (grad and a.requires_grad):
-                return False
-            if cuda is None:
-                cuda = a.is_cuda
-    return bool(cuda) and not (
+            return a.is_cuda
+    return False
+
+
+def eager_route(args: tuple) -> int:
+    """How ``Op.__call__`` runs a call with ``args``: ``DISPATCHER`` when traced (compile,
+    export), with no tensor argument, with a tensor that is not a plain ``torch.Tensor``
+    (a subclass, a fake tensor, a ``Parameter``), or with a dispatch or function mode, a
+    functorch transform or the profiler active (which keeps the op's name in its trace
+    through the dispatcher); else ``NEEDS_GRAD`` when grad mode is on and an input
+    requires a gradient, ``NO_GRAD`` otherwise. The direct paths then reach the same
+    kernel with the same arguments and attach the same autograd formula."""
+    if torch.compiler.is_compiling():
+        return DISPATCHER
+    grad = torch.is_grad_enabled()
+    seen = needs = False
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if type(a) is not torch.Tensor:
+                return DISPATCHER
+            seen = True
+            needs = needs or (grad and a.requires_grad)
+    if not seen or (
         torch._C._len_torch_dispatch_stack()
         or torch._C._is_torch_function_mode_enabled()
         or torch._C._functorch.peek_interpreter_stack() is not None
         or torch._C._autograd._profiler_enabled()
-    )
+    ):
+        return DISPATCHER
+    return NEEDS_GRAD if needs else NO_GRAD
+
+
+def direct_call_ok(args: tuple) -> bool:
+    """Whether a call with ``args`` goes straight to an op's CUDA kernel: an eager
+    ``NO_GRAD`` call (``eager_route``) whose first tensor is a CUDA tensor."""
+    return eager_route(args) == NO_GRAD and _first_is_cuda(args)
 
 
 def on_input_device(fn: Callable) -> Callable:

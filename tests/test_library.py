@@ -1,13 +1,17 @@
-"""``qmoe._library``: an eager call on plain CUDA tensors that needs no gradient goes
-straight to the op's CUDA kernel (``direct_call_ok``); every other call goes through the
-dispatcher, and both give the same outputs."""
+"""``qmoe._library``: eager calls on plain tensors skip the dispatcher's layers
+(``eager_route``): with no gradient needed, straight to the op's CUDA kernel
+(``direct_call_ok``) or below autograd on CPU; with one needed, the op's autograd formula
+as an ``autograd.Function`` around the kernel. Every other call goes through the
+dispatcher, and both give the same outputs and gradients."""
 
 import pytest
 import torch
 
 import qmoe
-from qmoe._library import direct_call_ok
+from qmoe._library import DISPATCHER, NEEDS_GRAD, NO_GRAD, direct_call_ok, eager_route
+from qmoe.ops.permute import _permute
 from qmoe.ops.permute_mask import _permute_mask
+from qmoe.ops.unpermute import _unpermute
 
 CUDA = torch.cuda.is_available()
 
@@ -71,3 +75,52 @@ def test_profiler_sees_the_op_name():
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         qmoe.moe_permute(x, mask, num_out_tokens=66)
     assert any("qmoe::permute_mask" in ev.name for ev in prof.events())
+
+
+def test_eager_routes():
+    x, mask, probs = _args("cpu")
+    assert eager_route((x, mask, probs, None, 66, 1)) == NO_GRAD
+    xg = x.clone().requires_grad_()
+    assert eager_route((xg, mask, probs, None, 66, 1)) == NEEDS_GRAD
+    with torch.no_grad():
+        assert eager_route((xg, mask)) == NO_GRAD
+    with torch.inference_mode():
+        assert eager_route((x, mask)) == NO_GRAD
+    assert eager_route((3, None)) == DISPATCHER  # no tensor at all
+    assert eager_route((torch.nn.Parameter(x), mask)) == DISPATCHER
+    assert eager_route((qmoe.quantize(torch.randn(4, 128), qmoe.Blockwise()),)) == DISPATCHER
+    with torch.device("cpu"):  # a torch function mode
+        assert eager_route((x, mask)) == DISPATCHER
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        assert eager_route((x, mask)) == DISPATCHER
+    assert torch.func.grad(lambda t: (eager_route((t,)) == DISPATCHER) * t.sum())(
+        torch.ones(2)).eq(1).all()  # a functorch transform
+    assert not direct_call_ok((x, mask))  # CPU: no CUDA kernel to call
+
+
+@pytest.mark.parametrize("dev", ["cpu"] + (["cuda"] if CUDA else []))
+def test_direct_autograd_matches_the_dispatcher(dev):
+    """The permute and the weighted merge, called through ``Op`` (the direct
+    ``autograd.Function``) and through ``torch.ops`` (the dispatcher's autograd): the same
+    outputs and the same gradients, bit for bit, first and second order; outputs carry
+    the direct path's node only in eager calls."""
+    x, mask, probs = _args(dev)
+    n = int(mask.sum()) + 3
+    rid, fill = torch.ops.qmoe.make_row_id_map(mask, n, False, 1)
+    results = []
+    for call in ((_permute, _unpermute), (torch.ops.qmoe.permute, torch.ops.qmoe.unpermute)):
+        xg, pg = x.clone().requires_grad_(), probs.clone().requires_grad_()
+        rows, pp = call[0](xg, rid, pg, n, fill)
+        merged = call[1](rows * 2, rid, pg)
+        gx, gp = torch.autograd.grad((merged.square().sum() + pp.sum()), (xg, pg),
+                                     create_graph=True)
+        ggx, = torch.autograd.grad((gx * gp.sum()).sum(), (xg,))
+        results.append((rows, pp, merged, gx, gp, ggx, type(rows.grad_fn).__name__))
+    direct, dispatched = results
+    for a, b in zip(direct[:-1], dispatched[:-1]):
+        assert torch.equal(a, b)
+    assert direct[-1].startswith("Direct_permute"), direct[-1]
+    assert "GeneratedBackwardFor_qmoe_permute" in dispatched[-1], dispatched[-1]
+    with torch.no_grad():
+        out = _permute(x, rid, probs, n, fill)[0]
+    assert out.grad_fn is None and torch.equal(out, direct[0])

@@ -125,22 +125,22 @@ def _(grad_out, split_sizes, sorted_index, grad_probs):
     return grad_out.new_empty(grad_out.shape), gp
 
 
-def _moved_back(op: str):
-    """The autograd rule of a movement whose gradient is the movement ``qmoe::<op>``: the
-    sort's is its inverse (``sort_chunks_backward``), the inverse's is the sort. Both take
+def _moved_back(op):
+    """The autograd rule of a movement whose gradient is the movement ``op``: the sort's is
+    its inverse (``sort_chunks_backward``), the inverse's is the sort. Both take
     ``(rows, split_sizes, sorted_index, probs or None)`` and give ``(rows, probs)``."""
 
     def backward(ctx, grad_rows, grad_probs):
         split_sizes, sorted_index = ctx.saved_tensors
         gp_in = grad_probs if ctx.has_probs else None
-        gi, gp = getattr(torch.ops.qmoe, op)(grad_rows, split_sizes, sorted_index, gp_in)
+        gi, gp = op(grad_rows, split_sizes, sorted_index, gp_in)
         return gi, None, None, gp if gp_in is not None else None
 
     return backward
 
 
-_sort_chunks.register_autograd(_moved_back("sort_chunks_backward"), setup_context=_sort_setup)
-_sort_chunks_backward.register_autograd(_moved_back("sort_chunks"), setup_context=_sort_setup)
+_sort_chunks.register_autograd(_moved_back(_sort_chunks_backward), setup_context=_sort_setup)
+_sort_chunks_backward.register_autograd(_moved_back(_sort_chunks), setup_context=_sort_setup)
 
 
 @define(
@@ -158,8 +158,8 @@ def _sort_chunks_rows(
     rows with side rows (the block scales of quantized rows) moved alike. On CUDA one
     launch (the scale rows ride in the bits' programs); elsewhere two sorts. Called by the
     quantized types' passthrough rule of ``qmoe::sort_chunks``, below autograd."""
-    out, pp = torch.ops.qmoe.sort_chunks(inp, split_sizes, sorted_index, probs)
-    return out, torch.ops.qmoe.sort_chunks(side, split_sizes, sorted_index, None)[0], pp
+    out, pp = _sort_chunks(inp, split_sizes, sorted_index, probs)
+    return out, _sort_chunks(side, split_sizes, sorted_index, None)[0], pp
 
 
 @_sort_chunks_rows.register_cuda
@@ -228,7 +228,7 @@ def moe_sort_chunks_by_index(
     (value checks there are async device asserts). Differentiable in ``inp``.
     """
     _check("moe_sort_chunks_by_index", inp, split_sizes, sorted_index, None)
-    return torch.ops.qmoe.sort_chunks(inp, split_sizes, sorted_index, None)[0]
+    return _sort_chunks(inp, split_sizes, sorted_index, None)[0]
 
 
 @C.user_errors
@@ -245,4 +245,4 @@ def moe_sort_chunks_by_index_with_probs(
     if isinstance(probs, torch.Tensor) and probs.dim() == 2 and probs.shape[1] == 1:
         probs = probs[:, 0]
     _check(fn, inp, split_sizes, sorted_index, probs)
-    return torch.ops.qmoe.sort_chunks(inp, split_sizes, sorted_index, probs)
+    return _sort_chunks(inp, split_sizes, sorted_index, probs)

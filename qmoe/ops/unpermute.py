@@ -113,12 +113,12 @@ def _backward_backward(ctx, u_gi, u_gw):
     has_gw = u_gw is not None and u_gw.numel() > 0 and w is not None and x is not None
     dg = dw = dx = None
     if u_gi is not None:
-        dg = torch.ops.qmoe.unpermute(u_gi, rid, w)
+        dg = _unpermute(u_gi, rid, w)
         if w is not None and ctx.needs_input_grad[2]:
-            dw = torch.ops.qmoe.unpermute_backward(g, rid, w, u_gi, n)[1]
+            dw = _unpermute_backward(g, rid, w, u_gi, n)[1]
     if has_gw:
         w_row = _route_weights(rid, u_gw, n)[:, None]
-        merged = torch.ops.qmoe.unpermute(_plain_fp32(x) * w_row, rid, None).to(g.dtype)
+        merged = _unpermute(_plain_fp32(x) * w_row, rid, None).to(g.dtype)
         dg = merged if dg is None else dg + merged
         if ctx.needs_input_grad[3]:
             rows = torch.ops.qmoe.permute(g, rid, None, n)[0]
@@ -139,7 +139,7 @@ def _merge_setup(ctx, inputs, output):
 
 def _merge_backward(ctx, grad):
     row_id_map, merging_probs, fwd_inp = ctx.saved_tensors
-    gi, gw = torch.ops.qmoe.unpermute_backward(
+    gi, gw = _unpermute_backward(
         grad.contiguous(), row_id_map, merging_probs, fwd_inp, ctx.num_rows
     )
     return gi.to(ctx.inp_dtype), None, (gw if fwd_inp is not None else None)
@@ -228,7 +228,7 @@ def moe_unpermute(
     # (no extra pass); elsewhere, check here.
     if row_id_map.numel() and not inp.is_cuda:
         _check_map_values(fn, row_id_map, inp.shape[0], merging_probs)
-    return torch.ops.qmoe.unpermute(inp, row_id_map, merging_probs)
+    return _unpermute(inp, row_id_map, merging_probs)
 
 
 def _map_errors(s: int, p: int) -> dict[int, str]:
@@ -388,7 +388,7 @@ def _permute_backward_op(grad_out, row_id_map, grad_probs, num_cols, probs_dtype
     in ``probs_dtype``, ``grad_probs [N]`` at each kept route's column, zeros
     elsewhere)``. Torch (the merge op, then ``probs_grad``); one Triton launch on CUDA; a
     C++ pass on CPU with ``qmoe._C``."""
-    gi = torch.ops.qmoe.unpermute(grad_out, row_id_map, None)
+    gi = _unpermute(grad_out, row_id_map, None)
     return gi, probs_grad(row_id_map, grad_probs, row_id_map.shape[0], num_cols, probs_dtype)
 
 

@@ -130,9 +130,7 @@ def per_tensor_scale(x: torch.Tensor, recipe: PerTensor) -> torch.Tensor:
     (not differentiable: ``x`` is detached). One custom op, so ``torch.compile`` runs this
     same code: Inductor would fuse the division into its own Triton kernel, whose fp32
     division is not correctly rounded (1 ulp off eager on CUDA, seen on the H200)."""
-    return torch.ops.qmoe.per_tensor_scale(
-        x.detach(), fp8_max(recipe.fp8_dtype), recipe.power_of_two_scale
-    )
+    return _per_tensor_scale(x.detach(), fp8_max(recipe.fp8_dtype), recipe.power_of_two_scale)
 
 
 @define("per_tensor_scale(Tensor x, float fp8_max_value, bool pow2) -> Tensor")
@@ -298,11 +296,10 @@ class _Quantize(torch.autograd.Function):
             # place must not change tensors already quantized with it (as the fused path)
             s = per_tensor_scale(x, recipe) if scale is None else (
                 scale.detach().float().reshape(()).clone())
-            q = torch.ops.qmoe.quantize_with_scale(x, s, recipe.fp8_dtype)
+            q = _quantize_with_scale(x, s, recipe.fp8_dtype)
             return Float8Tensor(q, s, x.dtype)
         bs = block_size_of(recipe, x.shape[-1])
-        q, s = torch.ops.qmoe.quantize_blocks(x, bs, recipe.fp8_dtype,
-                                              recipe_scale_mode(recipe))
+        q, s = _quantize_blocks(x, bs, recipe.fp8_dtype, recipe_scale_mode(recipe))
         if isinstance(recipe, MXFP8):
             return MXFP8Tensor(q, s, x.dtype)
         return Float8BlockwiseTensor(q, s, x.dtype, bs)
