@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-import socket
+import tempfile
 
 import pytest
 import torch
@@ -169,12 +169,12 @@ def _run_case(rank, world, seed, name, kind, cap, dev="cpu"):
     torch.testing.assert_close(pgrad, pr.grad, rtol=1e-5, atol=1e-5)
 
 
-def _worker(rank, world, port, seed, cases, backend="gloo"):
+def _worker(rank, world, store, seed, cases, backend="gloo"):
     dev = "cpu"
     if backend == "nccl":
         torch.cuda.set_device(rank)
         dev = f"cuda:{rank}"
-    with process_group(rank, world, port, backend):
+    with process_group(rank, world, store, backend):
         for case in cases:
             _run_case(rank, world, seed, *case, dev=dev)
         # The function API as well as the module, and a different-scales per-tensor case.
@@ -211,20 +211,15 @@ def _plain_roundtrip(q, mask):
     return out.dequantize(), rid
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
-def process_group(rank: int, world: int, port: int, backend: str = "gloo",
+def process_group(rank: int, world: int, store: str, backend: str = "gloo",
                   seconds: int = 120):
-    """A worker's process group on this machine (loopback, bounded timeout), destroyed on
-    the way out. A worker that finishes waits at a barrier first, so that no rank tears
-    down its sockets (rank 0: the store's server too) while a peer still uses them; a
+    """A worker's process group on this machine, met through the file ``store`` (no TCP
+    port to pick: test processes running side by side cannot race for one), with a
+    bounded timeout, destroyed on the way out. A worker that finishes waits at a barrier
+    first, so that no rank tears down its connections while a peer still uses them; a
     worker that raises leaves at once (its peers' collectives fail by the timeout)."""
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=seconds))
     try:
         yield
@@ -234,11 +229,14 @@ def process_group(rank: int, world: int, port: int, backend: str = "gloo",
 
 
 def spawn_seeded(worker, world: int, *args, label: str = "distributed") -> None:
-    """``worker(rank, world, port, seed, *args)`` in ``world`` processes; the seed from
-    ``QMOE_SEED`` or fresh, printed so that a failure can be replayed."""
+    """``worker(rank, world, store, seed, *args)`` in ``world`` processes, ``store`` a
+    fresh file path for ``process_group``; the seed from ``QMOE_SEED`` or fresh, printed
+    so that a failure can be replayed."""
     seed = int(os.environ.get("QMOE_SEED", int.from_bytes(os.urandom(4), "little")))
     print(f"[qmoe] {label} seed={seed}")
-    mp.spawn(worker, args=(world, _free_port(), seed, *args), nprocs=world, join=True)
+    with tempfile.TemporaryDirectory(prefix="qmoe_pg_") as d:
+        mp.spawn(worker, args=(world, os.path.join(d, "store"), seed, *args), nprocs=world,
+                 join=True)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -294,8 +292,8 @@ def _run_block(fn, x, probs, mask, gy):
     return expert_in, tpe, y, xg.grad, pg.grad
 
 
-def _compile_worker(rank, world, port, seed, names, cap):
-    with process_group(rank, world, port):
+def _compile_worker(rank, world, store, seed, names, cap):
+    with process_group(rank, world, store):
         if world == 1:  # the op quantized rows travel through: schema, fake, autograd
             for n in (6, 0):
                 rows = torch.randn(n, H, requires_grad=True)
@@ -338,8 +336,8 @@ def test_dispatch_refuses_expert_ids_as_a_mask():
         dispatch(x, None, ids, L)
 
 
-def _fused_quantize_worker(rank, world, port, seed):
-    with process_group(rank, world, port):
+def _fused_quantize_worker(rank, world, store, seed):
+    with process_group(rank, world, store):
         x, mask, probs = _inputs(seed, world, "random")[rank]
         for name in ("blockwise", "mxfp8", "pertensor"):
             recipe = RECIPES[name]
@@ -373,8 +371,8 @@ def test_dispatch_fused_quantize_matches_quantize_then_dispatch():
     spawn_seeded(_fused_quantize_worker, 2)
 
 
-def _index_map_worker(rank, world, port, seed):
-    with process_group(rank, world, port):
+def _index_map_worker(rank, world, store, seed):
+    with process_group(rank, world, store):
         e = world * L
         g = torch.Generator().manual_seed(seed + rank)
         t, k = 9, 2

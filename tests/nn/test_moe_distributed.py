@@ -44,8 +44,8 @@ def _assert_rounding_apart(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
     assert (diff > 0).float().mean() <= 0.01, (what, int((diff > 0).sum()))
 
 
-def _worker(rank, world, port, seed, cases):
-    with process_group(rank, world, port):
+def _worker(rank, world, store, seed, cases):
+    with process_group(rank, world, store):
         for name, cf in cases:
             g = torch.Generator().manual_seed(seed + rank)
             # dropless: uneven T per rank; a capacity needs one T on every rank (C comes
@@ -89,8 +89,8 @@ def test_ep_layer_matches_single_process(world):
     spawn_seeded(_worker, world, [(n, cf) for n in RECIPES for cf in (None, 1.0)])
 
 
-def _compile_worker(rank, world, port, seed):
-    with process_group(rank, world, port, seconds=300):
+def _compile_worker(rank, world, store, seed):
+    with process_group(rank, world, store, seconds=300):
         g = torch.Generator().manual_seed(seed + rank)
         x0 = torch.randn(16, H, generator=g).bfloat16()
         layer = _make(world, qmoe.RowWise(), 1.0, group=dist.group.WORLD)
