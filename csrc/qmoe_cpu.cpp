@@ -823,11 +823,119 @@ std::tuple<Tensor, Tensor> sort_chunks(const Tensor& inp, const Tensor& sizes, c
 }
 
 // -------------------------------------------------------------------- quantize
+inline uint32_t float_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+inline float bits_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// fp32 -> fp8 bits (MB mantissa bits, exponent bias BIAS: e4m3fn 3/7, e5m2 2/15), saturated
+// to +-fmax (given by its fp32 bits), NaN to the canonical +NaN 0x7F, round to nearest
+// even: c10's conversion (its subnormal add and its biased-exponent round), written as
+// integer selects with both branches computed, so that the element loops vectorize.
+template <int MB, int BIAS>
+inline uint8_t fp8_bits(float y, uint32_t fmax_bits) {
+  uint32_t u = float_bits(y);
+  const uint32_t sign = u & 0x80000000u;
+  u ^= sign;
+  const uint32_t is_nan = 0u - static_cast<uint32_t>(u > 0x7F800000u);
+  u = std::min(u, fmax_bits);  // |y| saturated (as unsigned bits: same order as floats)
+  constexpr uint32_t denorm = static_cast<uint32_t>(127 - BIAS + 23 - MB + 1) << 23;
+  const uint32_t sub = float_bits(bits_float(u) + bits_float(denorm)) - denorm;
+  const uint32_t nrm = (u + (static_cast<uint32_t>(BIAS - 127) << 23) +
+                        ((1u << (22 - MB)) - 1u) + ((u >> (23 - MB)) & 1u)) >> (23 - MB);
+  const uint32_t is_sub =
+      0u - static_cast<uint32_t>(u < (static_cast<uint32_t>(127 - BIAS + 1) << 23));
+  const uint32_t r = ((sub & is_sub) | (nrm & ~is_sub)) | (sign >> 24);
+  return static_cast<uint8_t>((r & ~is_nan) | (0x7Fu & is_nan));
+}
+
 template <typename F8>
-uint8_t to_fp8(float y, float fmax) {
-  if (std::isnan(y)) y = std::numeric_limits<float>::quiet_NaN();  // canonical +NaN
-  else y = std::min(std::max(y, -fmax), fmax);
-  return F8(y).x;
+inline uint8_t to_fp8(float y, uint32_t fmax_bits) {
+  if constexpr (std::is_same_v<F8, c10::Float8_e4m3fn>) return fp8_bits<3, 7>(y, fmax_bits);
+  else return fp8_bits<2, 15>(y, fmax_bits);
+}
+
+// One block's elements: the largest |x| (NaN ignored; `nan` set if any), and the fp8 bits
+// of x / d. fp32 and bf16 (widened through its bits) in loops the compiler vectorizes,
+// with AVX2 clones; other dtypes through their conversion.
+template <typename scalar_t>
+inline float elem(const scalar_t* x, int64_t j) {
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    return bits_float(static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(x)[j]) << 16);
+  } else {
+    return static_cast<float>(x[j]);
+  }
+}
+
+// |x| compared as unsigned bits (the order of the floats for non-NaN values): an integer
+// max, which vectorizes where a float one would not; a NaN sets `nan`.
+template <typename scalar_t>
+inline float block_amax_impl(const scalar_t* x, int64_t n, bool& nan) {
+  uint32_t m = 0, bad = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    const uint32_t a = float_bits(elem(x, j)) & 0x7FFFFFFFu;
+    bad |= static_cast<uint32_t>(a > 0x7F800000u);
+    m = std::max(m, a);
+  }
+  nan = bad != 0;
+  return bits_float(m);
+}
+
+template <typename scalar_t, typename F8>
+inline void block_bits_impl(const scalar_t* x, int64_t n, float d, float fmax, uint8_t* q) {
+  const uint32_t fb = float_bits(fmax);
+  for (int64_t j = 0; j < n; ++j) q[j] = to_fp8<F8>(elem(x, j) / d, fb);
+}
+
+__attribute__((target_clones("avx2", "default"))) float block_amax_bf16(
+    const c10::BFloat16* x, int64_t n, bool& nan) {
+  return block_amax_impl(x, n, nan);
+}
+__attribute__((target_clones("avx2", "default"))) float block_amax_f32(const float* x,
+                                                                       int64_t n, bool& nan) {
+  return block_amax_impl(x, n, nan);
+}
+__attribute__((target_clones("avx2", "default"))) void block_e4m3_bf16(
+    const c10::BFloat16* x, int64_t n, float d, float fmax, uint8_t* q) {
+  block_bits_impl<c10::BFloat16, c10::Float8_e4m3fn>(x, n, d, fmax, q);
+}
+__attribute__((target_clones("avx2", "default"))) void block_e5m2_bf16(
+    const c10::BFloat16* x, int64_t n, float d, float fmax, uint8_t* q) {
+  block_bits_impl<c10::BFloat16, c10::Float8_e5m2>(x, n, d, fmax, q);
+}
+__attribute__((target_clones("avx2", "default"))) void block_e4m3_f32(
+    const float* x, int64_t n, float d, float fmax, uint8_t* q) {
+  block_bits_impl<float, c10::Float8_e4m3fn>(x, n, d, fmax, q);
+}
+__attribute__((target_clones("avx2", "default"))) void block_e5m2_f32(
+    const float* x, int64_t n, float d, float fmax, uint8_t* q) {
+  block_bits_impl<float, c10::Float8_e5m2>(x, n, d, fmax, q);
+}
+
+template <typename scalar_t>
+float block_amax(const scalar_t* x, int64_t n, bool& nan) {
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) return block_amax_bf16(x, n, nan);
+  else if constexpr (std::is_same_v<scalar_t, float>) return block_amax_f32(x, n, nan);
+  else return block_amax_impl(x, n, nan);
+}
+
+template <typename scalar_t, typename F8>
+void block_bits(const scalar_t* x, int64_t n, float d, float fmax, uint8_t* q) {
+  constexpr bool e4m3 = std::is_same_v<F8, c10::Float8_e4m3fn>;
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    e4m3 ? block_e4m3_bf16(x, n, d, fmax, q) : block_e5m2_bf16(x, n, d, fmax, q);
+  } else if constexpr (std::is_same_v<scalar_t, float>) {
+    e4m3 ? block_e4m3_f32(x, n, d, fmax, q) : block_e5m2_f32(x, n, d, fmax, q);
+  } else {
+    block_bits_impl<scalar_t, F8>(x, n, d, fmax, q);
+  }
 }
 
 float pow2_ceil(float s) {
@@ -853,13 +961,8 @@ void quantize_rows_impl(const Tensor& x, Tensor& q, Tensor& s, int64_t bs, int64
     for (int64_t i = b; i < e; ++i) {
       for (int64_t blk = 0; blk < nb; ++blk) {
         const int64_t lo = blk * bs, hi = std::min(h, lo + bs);
-        float amax = 0.f;
         bool nan = false;
-        for (int64_t j = lo; j < hi; ++j) {
-          const float v = static_cast<float>(xp[i * h + j]);
-          nan |= std::isnan(v);
-          amax = std::max(amax, std::fabs(v));
-        }
+        float amax = block_amax(xp + i * h + lo, hi - lo, nan);
         if (nan) amax = std::numeric_limits<float>::quiet_NaN();
         float divisor;
         if (mode == 2) {  // OCP MX floor, as the torch reference
@@ -896,8 +999,7 @@ void quantize_rows_impl(const Tensor& x, Tensor& q, Tensor& s, int64_t bs, int64
           divisor = canonical(divisor);
           s.data_ptr<float>()[i * nb + blk] = divisor;
         }
-        for (int64_t j = lo; j < hi; ++j)
-          qp[i * h + j] = to_fp8<F8>(static_cast<float>(xp[i * h + j]) / divisor, fmax);
+        block_bits<scalar_t, F8>(xp + i * h + lo, hi - lo, divisor, fmax, qp + i * h + lo);
       }
     }
   });
@@ -944,10 +1046,8 @@ Tensor quantize_with_scale(const Tensor& x_in, const Tensor& scale, at::ScalarTy
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "quantize_with_scale", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     at::parallel_for(0, x.numel(), 4096, [&](int64_t b, int64_t e) {
-      for (int64_t i = b; i < e; ++i) {
-        const float y = static_cast<float>(xp[i]) / sv;
-        qp[i] = e4m3 ? to_fp8<c10::Float8_e4m3fn>(y, fmax) : to_fp8<c10::Float8_e5m2>(y, fmax);
-      }
+      if (e4m3) block_bits<scalar_t, c10::Float8_e4m3fn>(xp + b, e - b, sv, fmax, qp + b);
+      else block_bits<scalar_t, c10::Float8_e5m2>(xp + b, e - b, sv, fmax, qp + b);
     });
   });
   return q;
