@@ -56,6 +56,8 @@ def _cases(cfg):
 
     return {
         "permute_bf16": lambda: qmoe.moe_permute_with_probs(x, probs, mask, num_out_tokens=n),
+        "permute_mask_bf16": lambda: qmoe.moe_permute(x, mask, num_out_tokens=n),
+        "quantize_blockwise": lambda: qmoe.quantize(x, qmoe.Blockwise()),
         "permute_fp8": lambda: qmoe.moe_permute(q, mask, num_out_tokens=n),
         "permute_quantize": lambda: qmoe.moe_permute(x, mask, num_out_tokens=n,
                                                      quantize=qmoe.Blockwise()),

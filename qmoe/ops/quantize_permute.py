@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from qmoe._intmath import cdiv
-from qmoe._library import define
+from qmoe._library import NO_GRAD, define, eager_route
 from qmoe.ops import checks as C
 from qmoe.ops.kernels.quantize_permute import (
     quantize_permute_mask_triton,
@@ -174,21 +174,29 @@ def _wrap(recipe: Recipe, q, s_out, orig_dtype, bs):
     return Float8BlockwiseTensor(q, s_out, orig_dtype, bs)
 
 
+def _quantize_permute(x, probs, routing_map, is_index, align_size, n, recipe, scale):
+    """The fused path's outputs ``(quantized rows [N, H], permuted_probs, row_id_map)``,
+    no autograd (``_QuantizePermute``'s forward, and eager calls that need no gradient)."""
+    bs, fp8, mode, s = _recipe_args(x, recipe, scale)
+    args = (n, bs, fp8, mode, s)
+    if _map_in_launch(x, is_index, n):
+        q, s_out, pp, rid = ops.quantize_permute_mask(x, routing_map, probs, n,
+                                                      align_size, *args[1:])
+    else:
+        rid, fill = make_row_id_map(routing_map, n, is_index, align_size)
+        q, s_out, pp = ops.quantize_permute(x, rid, probs, *args, fill)
+    return _wrap(recipe, q, s_out, x.dtype, bs), pp, rid
+
+
 class _QuantizePermute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, probs, routing_map, is_index, align_size, n, recipe, scale):
-        bs, fp8, mode, s = _recipe_args(x, recipe, scale)
-        args = (n, bs, fp8, mode, s)
-        if _map_in_launch(x, is_index, n):
-            q, s_out, pp, rid = ops.quantize_permute_mask(x, routing_map, probs, n,
-                                                          align_size, *args[1:])
-        else:
-            rid, fill = make_row_id_map(routing_map, n, is_index, align_size)
-            q, s_out, pp = ops.quantize_permute(x, rid, probs, *args, fill)
+        out, pp, rid = _quantize_permute(x, probs, routing_map, is_index, align_size, n,
+                                         recipe, scale)
         ctx.save_for_backward(rid)
         ctx.mark_non_differentiable(rid)
         ctx.probs_meta = None if probs is None else (tuple(probs.shape), probs.dtype)
-        return _wrap(recipe, q, s_out, x.dtype, bs), pp, rid
+        return out, pp, rid
 
     @staticmethod
     def backward(ctx, grad_out, grad_pp, grad_rid):
@@ -238,5 +246,7 @@ def quantize_and_permute(fn: str, x, probs, routing_map, is_index: bool, align_s
         if not isinstance(recipe, PerTensor):
             raise ValueError(f"{fn}: quantize_scale is only accepted with the PerTensor recipe")
         check_given_scale(fn, "quantize_scale", scale, "inp", x)
-    return _QuantizePermute.apply(x, probs, routing_map, is_index, align_size, n, recipe,
-                                  scale)
+    args = (x, probs, routing_map, is_index, align_size, n, recipe, scale)
+    if eager_route((x, probs)) == NO_GRAD:  # no gradient to attach: skip the Function
+        return _quantize_permute(*args)
+    return _QuantizePermute.apply(*args)

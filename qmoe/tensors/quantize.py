@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from qmoe._intmath import cdiv
-from qmoe._library import define
+from qmoe._library import NO_GRAD, define, eager_route
 from qmoe.tensors.base import QuantizedTensor, expand_block_scales, plain_grad
 from qmoe.tensors.kernels.quantize import dequantize_rows_triton, quantize_rows_triton
 from qmoe.tensors.layouts import (
@@ -341,6 +341,8 @@ def quantize(
         if not isinstance(recipe, PerTensor):
             raise ValueError("quantize: scale= is only accepted with the PerTensor recipe")
         check_given_scale("quantize", "scale", scale, "x", x)
+    if eager_route((x,)) == NO_GRAD:  # no gradient to attach: skip the Function's layer
+        return _Quantize.forward(None, x, recipe, scale)
     return _Quantize.apply(x, recipe, scale)
 
 

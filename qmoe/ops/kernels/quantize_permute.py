@@ -306,7 +306,8 @@ def _outputs(x, n, block_size, fp8_dtype, scale_mode, scale, probs, poison):
         s_out = scale.float().reshape(()).clone()
     else:
         s_out = torch.empty((n, nb), dtype=scale_dtype(scale_mode), device=x.device)
-    pp = probs.new_empty((n,)) if probs is not None else x.new_empty(0)
+    pp = torch.empty((n,) if probs is not None else 0, device=x.device,
+                     dtype=probs.dtype if probs is not None else x.dtype)
     if poison:
         for buf in (q, pp) if given else (q, s_out, pp):
             buf.view(torch.uint8).fill_(0xFF)
@@ -392,7 +393,7 @@ def quantize_permute_mask_triton(x, mask, n, align_size, probs, block_size, fp8_
                                          scale, fill, poison=poison), rid)
     q, s_out, pp, bs, nb = _outputs(x, n, block_size, fp8_dtype, scale_mode, scale, probs,
                                     poison)
-    rid = mask.new_empty((t, 2 * e + 1), dtype=torch.int32)
+    rid = torch.empty((t, 2 * e + 1), dtype=torch.int32, device=mask.device)
     m = mask_operand(mask)
     x, probs = unit_stride(x), unit_stride(probs)
     d = fused_map_tiling(t, e)

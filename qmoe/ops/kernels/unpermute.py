@@ -446,8 +446,9 @@ def merge_backward_triton(
     receives ``grad_inp``. No host sync."""
     t, h = grad_out.shape
     n, p = fwd_inp.shape[0], merging_probs.shape[1]
-    gi = grad_out.new_empty((n, h)) if out is None else out
-    gw = merging_probs.new_empty((t, p))
+    dev = grad_out.device
+    gi = torch.empty((n, h), dtype=grad_out.dtype, device=dev) if out is None else out
+    gw = torch.empty((t, p), dtype=merging_probs.dtype, device=dev)
     if t == 0:
         return gi.zero_(), gw
     merging_probs, row_id_map = unit_stride(merging_probs), row_id_map.contiguous()
