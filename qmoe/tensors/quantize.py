@@ -288,21 +288,27 @@ def recipe_scale_mode(recipe: Recipe) -> str:
 
 
 # ---------------------------------------------------------------------- autograd
+def _quantize(x, recipe, scale):
+    """``quantize``'s result without autograd (``_Quantize``'s forward, and eager calls
+    that need no gradient)."""
+    if isinstance(recipe, PerTensor):
+        # a given scale is copied: a delayed-scaling update of the caller's tensor in
+        # place must not change tensors already quantized with it (as the fused path)
+        s = per_tensor_scale(x, recipe) if scale is None else (
+            scale.detach().float().reshape(()).clone())
+        q = _quantize_with_scale(x, s, recipe.fp8_dtype)
+        return Float8Tensor(q, s, x.dtype)
+    bs = block_size_of(recipe, x.shape[-1])
+    q, s = _quantize_blocks(x, bs, recipe.fp8_dtype, recipe_scale_mode(recipe))
+    if isinstance(recipe, MXFP8):
+        return MXFP8Tensor(q, s, x.dtype)
+    return Float8BlockwiseTensor(q, s, x.dtype, bs)
+
+
 class _Quantize(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, recipe, scale):
-        if isinstance(recipe, PerTensor):
-            # a given scale is copied: a delayed-scaling update of the caller's tensor in
-            # place must not change tensors already quantized with it (as the fused path)
-            s = per_tensor_scale(x, recipe) if scale is None else (
-                scale.detach().float().reshape(()).clone())
-            q = _quantize_with_scale(x, s, recipe.fp8_dtype)
-            return Float8Tensor(q, s, x.dtype)
-        bs = block_size_of(recipe, x.shape[-1])
-        q, s = _quantize_blocks(x, bs, recipe.fp8_dtype, recipe_scale_mode(recipe))
-        if isinstance(recipe, MXFP8):
-            return MXFP8Tensor(q, s, x.dtype)
-        return Float8BlockwiseTensor(q, s, x.dtype, bs)
+        return _quantize(x, recipe, scale)
 
     @staticmethod
     def backward(ctx, grad):
@@ -342,7 +348,7 @@ def quantize(
             raise ValueError("quantize: scale= is only accepted with the PerTensor recipe")
         check_given_scale("quantize", "scale", scale, "x", x)
     if eager_route((x,)) == NO_GRAD:  # no gradient to attach: skip the Function's layer
-        return _Quantize.forward(None, x, recipe, scale)
+        return _quantize(x, recipe, scale)
     return _Quantize.apply(x, recipe, scale)
 
 

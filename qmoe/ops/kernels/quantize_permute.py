@@ -306,8 +306,8 @@ def _outputs(x, n, block_size, fp8_dtype, scale_mode, scale, probs, poison):
         s_out = scale.float().reshape(()).clone()
     else:
         s_out = torch.empty((n, nb), dtype=scale_dtype(scale_mode), device=x.device)
-    pp = torch.empty((n,) if probs is not None else 0, device=x.device,
-                     dtype=probs.dtype if probs is not None else x.dtype)
+    pp = (torch.empty((n,), dtype=probs.dtype, device=x.device) if probs is not None
+          else torch.empty(0, dtype=x.dtype, device=x.device))
     if poison:
         for buf in (q, pp) if given else (q, s_out, pp):
             buf.view(torch.uint8).fill_(0xFF)
