@@ -15,6 +15,7 @@ from qmoe.ops.permute_index import _permute_index
 from qmoe.ops.permute_mask import _permute_mask
 from qmoe.ops.quantize_permute import quantize_and_permute
 from qmoe.ops.row_id_map import make_row_id_map
+from qmoe.ops.tuning import fused_index_wins, small_index_map
 from qmoe.ops.unpermute import permute_grads
 from qmoe.tensors.recipes import Recipe
 
@@ -137,9 +138,11 @@ def _check_index_ids(fn, routing_map, num_experts) -> None:
     C.check_range(fn, routing_map, -1, bound, f"routing_map ids must be >= -1 and < {what}")
 
 
-def _out_rows(fn, inp, routing_map, map_type, num_out_tokens, num_experts, align_size=1):
+def _out_rows(fn, inp, routing_map, map_type, num_out_tokens, num_experts, align_size=1,
+              fused=False):
     """Checks; ``(N, num_experts)`` as ints (N counted with a host sync when
-    ``num_out_tokens`` is None)."""
+    ``num_out_tokens`` is None). ``fused``: a fused quantize-permute follows (its index
+    path has no id assert of its own; ``_kernel_checks_ids``)."""
     C.check_input(fn, inp)
     C.check_routing_map(fn, inp, routing_map, map_type)
     if num_experts is not None:
@@ -158,9 +161,26 @@ def _out_rows(fn, inp, routing_map, map_type, num_out_tokens, num_experts, align
                 f"{fn}: under torch.compile or torch.export pass num_out_tokens (an int "
                 "bound, e.g. T*K): counting the routed rows needs a host sync")
         n, _ = _routed_count(fn, routing_map, map_type, num_experts, align_size)
-    elif map_type == "index":
+    elif map_type == "index" and not _kernel_checks_ids(inp, routing_map, num_experts,
+                                                        align_size, fused):
         _check_index_ids(fn, routing_map, num_experts)
     return n, num_experts
+
+
+def _kernel_checks_ids(inp, routing_map, num_experts, align_size, fused) -> bool:
+    """Whether the CUDA kernels that an eager sync-free index permute runs check the ids
+    themselves (a device assert, as ``_check_index_ids``' async assert would, without its
+    five aten launches): ``qmoe::permute_index`` (``num_experts`` given, no ``quantize=``)
+    asserts ``[-1, num_experts)`` in its fused kernel or its one-launch small map; a small
+    map built by ``make_row_id_map`` (``tuning.small_index_map``) asserts
+    ``[-1, 2**31 - 1)``, enough without ``num_experts``. Traced calls keep the aten check
+    (no guards on the sizes)."""
+    if not inp.is_cuda or align_size != 1 or C.is_compiling():
+        return False
+    t, k = routing_map.shape
+    if num_experts is None or fused:
+        return num_experts is None and small_index_map(t, k)
+    return fused_index_wins(t, k, num_experts) or small_index_map(t, k)
 
 
 def _map_in_scatter(inp, map_type: str) -> bool:
@@ -180,7 +200,7 @@ def _checked_permute(fn, inp, probs, routing_map, map_type, num_out_tokens, num_
         raise ValueError(f"{fn}: quantize_scale is the scale of a fused per-tensor quantize; "
                          "pass quantize=qmoe.PerTensor() with it, or drop it")
     n, num_experts = _out_rows(fn, inp, routing_map, map_type, num_out_tokens, num_experts,
-                               align_size)
+                               align_size, quantize is not None)
     # Only the probs of kept routes matter: the CUDA kernels check those as they move them
     # (assert_probs_not_nan, a device assert); elsewhere the permuted probs are checked.
     C.check_probs(fn, "probs", probs, inp.shape[0], routing_map.shape[1], inp,

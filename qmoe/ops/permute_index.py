@@ -21,13 +21,14 @@ from __future__ import annotations
 from qmoe._library import define
 from qmoe.ops import checks as C
 from qmoe.ops.kernels.permute_index import permute_index_triton
+from qmoe.ops.kernels.row_id_map import index_rows_triton
 from qmoe.ops.permute_mask import (
     fused_permute_backward,
     fused_permute_fake,
     fused_permute_setup,
     map_then_permute,
 )
-from qmoe.ops.tuning import fused_index_wins
+from qmoe.ops.tuning import fused_index_wins, small_index_map
 
 
 @define(
@@ -48,12 +49,16 @@ def _permute_index(inp, routing_map, probs, side, num_out_tokens, num_experts):
 
 @_permute_index.register_cuda
 def _permute_index_cuda(inp, routing_map, probs, side, num_out_tokens, num_experts):
-    """The fused kernel where it wins (its device assert checks the ids), else the sorting
+    """The fused kernel where it wins; for a small map the one-launch map kernel, then one
+    scatter (both kernels assert the ids are in ``[-1, num_experts)``); else the sorting
     map then one scatter (ids past ``num_experts`` unchecked there: the public ops check
     them first, and the sorting path needs no E)."""
-    if fused_index_wins(*routing_map.shape, num_experts):
+    t, k = routing_map.shape
+    if fused_index_wins(t, k, num_experts):
         return permute_index_triton(inp, routing_map, num_out_tokens, num_experts, probs, side)
-    return map_then_permute(inp, routing_map, probs, side, num_out_tokens, True, 1)
+    maps = index_rows_triton(routing_map, num_out_tokens, num_experts) if (
+        small_index_map(t, k)) else None
+    return map_then_permute(inp, routing_map, probs, side, num_out_tokens, True, 1, maps)
 
 
 _permute_index.register_fake(fused_permute_fake)

@@ -41,12 +41,13 @@ def _permute_mask_cuda(inp, routing_map, probs, side, num_out_tokens, align_size
     return permute_mask_triton(inp, routing_map, num_out_tokens, align_size, probs, side)
 
 
-def map_then_permute(inp, routing_map, probs, side, n, is_index, align_size):
+def map_then_permute(inp, routing_map, probs, side, n, is_index, align_size, maps=None):
     """What a fused permute op runs where it takes no fused kernel (``permute_mask`` off
     CUDA, ``permute_index`` off CUDA or where the fused kernel loses): ``make_row_id_map``
-    then the rows, probs and side rows moved (``permute_with_scales``: one scatter on
-    CUDA); same outputs."""
-    rid, fill = make_row_id_map(routing_map, n, is_index, align_size)
+    (or the given ``maps``, its ``(row_id_map, fill)``) then the rows, probs and side rows
+    moved (``permute_with_scales``: one scatter on CUDA); same outputs."""
+    rid, fill = maps if maps is not None else make_row_id_map(routing_map, n, is_index,
+                                                              align_size)
     if side is None:
         out, pp = ops.permute(inp, rid, probs, n, fill)
         return out, pp, inp.new_empty(0), rid

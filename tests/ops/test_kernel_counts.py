@@ -10,6 +10,7 @@ import triton
 import qmoe
 from benchmarks.profiling import launches
 from qmoe.ops import kernels as ops_kernels
+from qmoe.ops.tuning import small_index_map
 from qmoe.tensors import kernels as tensors_kernels
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="counts CUDA kernels")
@@ -40,9 +41,11 @@ def _routing(t, e, k):
 @pytest.mark.parametrize("t,h,e,k", [(256, 4096, 64, 8), (4096, 512, 256, 8)])
 def test_forward_kernel_counts(t, h, e, k):
     """``moe_permute(mask)``: at most 3 (count, scan, move; one at small T), with probs
-    too; ``moe_unpermute``: 1; the fused ``quantize=``: at most 3; all qmoe kernels."""
+    too; ``moe_unpermute``: 1; the fused ``quantize=``: at most 3; ``moe_permute(index)``
+    with ``num_experts`` at most 3 (fused: count, scan, move; small: map, move), without
+    it 2 at a small map; all qmoe kernels."""
     ours = _our_kernels()
-    _, mask, probs = _routing(t, e, k)
+    ids, mask, probs = _routing(t, e, k)
     x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
     n = t * k
     y = torch.randn(n, h, device="cuda", dtype=torch.bfloat16)
@@ -54,8 +57,15 @@ def test_forward_kernel_counts(t, h, e, k):
         "moe_unpermute": (lambda: qmoe.moe_unpermute(y, rid, probs), 1),
         "quantize=": (lambda: qmoe.moe_permute(x, mask, num_out_tokens=n,
                                                quantize=qmoe.Blockwise()), 3),
+        # the ids checked by the map (small) or fused kernel's assert: no aten id check
+        "moe_permute(index)": (lambda: qmoe.moe_permute(x, ids, n, map_type="index"),
+                               2 if small_index_map(t, k) else None),
+        "moe_permute(index, num_experts)": (
+            lambda: qmoe.moe_permute(x, ids, n, map_type="index", num_experts=e), 3),
     }
     for name, (fn, most) in cases.items():
+        if most is None:  # (a large index map without num_experts: torch's sorts)
+            continue
         got = launches(fn)
         assert 1 <= len(got) <= most, (name, got)
         assert set(got) <= ours, (name, sorted(set(got) - ours))

@@ -280,6 +280,27 @@ def test_index_map_kernel_duplicate_ids(kdevice):
     assert torch.equal(rid, _index_rows(ids, 9))
 
 
+def test_index_map_kernel_asserts_ids(kdevice, interpreter_asserts):
+    """The one-launch index map checks the ids itself (the public ops' CUDA id check on
+    this path): below -1, at or past the bound (num_experts, else 2**31 - 1; int64 ids
+    past 2**32 included, not narrowed first) trip its device assert. On CUDA an assert
+    ends the context, so this runs under the interpreter only."""
+    if kdevice != "cpu":
+        pytest.skip("a device assert ends the CUDA context")
+    from triton.runtime.errors import InterpreterError
+
+    from qmoe.ops.kernels.row_id_map import index_rows_triton
+
+    ids = torch.tensor([[0, 1], [3, -1], [2, 2]])
+    index_rows_triton(ids, 4)  # fine as given, with and without a bound
+    index_rows_triton(ids, 4, 4)
+    for bad, e in ((ids, 3), (ids.masked_fill(ids == -1, -2), None),
+                   (ids.masked_fill(ids == 3, 2**31 - 1), None),
+                   (ids.masked_fill(ids == 3, 2**32 + 1), None)):
+        with pytest.raises(InterpreterError, match="ids must be >= -1 and < num_experts"):
+            index_rows_triton(bad, 4, e)
+
+
 # blocks of at most 16 tokens, as the launcher's (map_tiling): on the GPU the compile of a
 # 64-token block takes about 105 s, of a 32-token one 19 s
 @pytest.mark.parametrize("tiling", [(1, 1, 1), (4, 2, 1), (16, 1, 16), (16, 4, 3)])

@@ -37,7 +37,8 @@ import triton.language as tl
 
 from qmoe._intmath import cdiv, next_pow2
 from qmoe._triton import launch
-from qmoe.ops.launch import mask_operand, pdl_options, unit_stride
+from qmoe.ops.checks import ID_LIMIT
+from qmoe.ops.launch import assert_options, mask_operand, pdl_options, unit_stride
 from qmoe.ops.tuning import (
     MaskMapTiling,
     map_tiling,
@@ -289,6 +290,7 @@ def index_row_id_map_small_kernel(
     T,
     K,
     N,
+    HI,  # ids must be below this: num_experts, or 2**31 - 1 when E is not known
     stride_t,
     BLOCK_K: tl.constexpr,  # next_pow2(K)
     CHUNK: tl.constexpr,  # (token, slot) entries compared per step
@@ -299,11 +301,17 @@ def index_row_id_map_small_kernel(
     expert, or the same expert and an earlier flattened position ``t*K + k``. Every
     program counts those over all T*K entries itself (T*K*K compares), so the launcher
     uses it only for a few thousand entries. Ranks ``>= N`` are dropped; kept routes are
-    packed to the front of the map row in row order, with their slot k as the column."""
+    packed to the front of the map row in row order, with their slot k as the column.
+    Each program asserts its token's ids are in ``[-1, HI)`` (before the narrowing to
+    int32): the public ops' id check on this path, without aten launches."""
     t = tl.program_id(0)
     ks = tl.arange(0, BLOCK_K)
     kmask = ks < K
-    e = tl.load(ids_ptr + t.to(tl.int64) * stride_t + ks, mask=kmask, other=-1).to(tl.int32)
+    raw = tl.load(ids_ptr + t.to(tl.int64) * stride_t + ks, mask=kmask, other=-1)
+    tl.device_assert((raw >= -1) & (raw.to(tl.int64) < HI),
+                     "qmoe: routing_map ids must be >= -1 and < num_experts (below 2**31 - 1 "
+                     "without num_experts: renumber the experts to [0, E))")
+    e = raw.to(tl.int32)
     routed = kmask & (e >= 0)
     p = t * K + ks
     rank = tl.zeros((BLOCK_K,), dtype=tl.int32)
@@ -425,16 +433,20 @@ def mask_rows_triton(
     return rid
 
 
-def index_rows_triton(routing_map: torch.Tensor, num_out_tokens: int):
+def index_rows_triton(routing_map: torch.Tensor, num_out_tokens: int,
+                      num_experts: int | None = None):
     """``(row_id_map [T, 2K+1], fill [1, 2])`` int32 of a small index map ``[T, K]`` in one
-    launch (``tuning.small_index_map``); equal to the sorting build's. No host sync."""
+    launch (``tuning.small_index_map``); equal to the sorting build's. Ids outside
+    ``[-1, num_experts)`` (``[-1, 2**31 - 1)`` when None) trip a device assert. No host
+    sync."""
     t, k = routing_map.shape
     ids = unit_stride(routing_map)
     rid = ids.new_empty((t, 2 * k + 1), dtype=torch.int32)
     fill = rid.new_empty((1, 2))
     chunk, nw = small_index_tile(t, k)
     launch(index_row_id_map_small_kernel, (t,),
-        ids, rid, fill, t, k, num_out_tokens, ids.stride(0), BLOCK_K=next_pow2(k),
-        CHUNK=chunk, num_warps=nw,
+        ids, rid, fill, t, k, num_out_tokens,
+        ID_LIMIT if num_experts is None else num_experts, ids.stride(0), BLOCK_K=next_pow2(k),
+        CHUNK=chunk, num_warps=nw, **assert_options(),  # the id check
     )
     return rid, fill
