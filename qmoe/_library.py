@@ -39,8 +39,14 @@ class Op:
       registered with ``torch.library``) runs as an ``autograd.Function`` around the
       kernel, without the dispatcher's two passes through Python.
 
-    Traced, transformed, subclass and profiled calls keep the dispatcher, whose autograd
-    uses the same formula; most of a small call's host time is these layers."""
+    - no gradient needed and a tensor subclass among the arguments that declares
+      ``_qmoe_eager_dispatch`` (qmoe's quantized tensors): that hook gets the op's
+      overload and the arguments, as ``__torch_dispatch__`` would after the dispatcher's
+      layers (it returns ``NotImplemented`` to take the dispatcher after all).
+
+    Traced, transformed, profiled calls, other subclasses and subclass calls that need a
+    gradient keep the dispatcher, whose autograd uses the same formula; most of a small
+    call's host time is these layers."""
 
     def __init__(self, name: str, fn: Callable) -> None:
         self.name = name
@@ -51,6 +57,13 @@ class Op:
         self._overload = self.packet.default
         schema = self._overload._schema
         self._nargs = len(schema.arguments)
+        # the trailing arguments' defaults, so that a call leaving them out takes the
+        # direct paths too (which pass every argument positionally)
+        self._defaults: tuple = ()
+        for a in reversed(schema.arguments):
+            if not a.has_default_value():
+                break
+            self._defaults = (a.default_value, *self._defaults)
         # The direct autograd path takes every argument positionally: no keyword-only,
         # list or mutated arguments (then the dispatcher's autograd serves every call).
         self._plain_schema = not any(
@@ -92,6 +105,8 @@ class Op:
             return self._overload(*args)
 
     def __call__(self, *args):
+        if len(args) < self._nargs and len(args) >= self._nargs - len(self._defaults):
+            args = (*args, *self._defaults[len(args) - self._nargs:])
         route = eager_route(args)
         if route == NO_GRAD:
             if self.cuda is not None and _first_is_cuda(args):
@@ -100,6 +115,10 @@ class Op:
                 return self.below_autograd(*args)
         elif route == NEEDS_GRAD and self._function is not None and len(args) == self._nargs:
             return self._function.apply(*args)
+        elif route == SUBCLASS:
+            out = _subclass_call(self._overload, args)
+            if out is not NotImplemented:
+                return out
         return self.packet(*args)
 
 
@@ -121,7 +140,24 @@ def _direct_function(op: Op, backward: Callable, setup_context: Callable):
                 {"forward": staticmethod(forward), "backward": staticmethod(run_backward)})
 
 
-DISPATCHER, NO_GRAD, NEEDS_GRAD = 0, 1, 2
+DISPATCHER, NO_GRAD, NEEDS_GRAD, SUBCLASS = 0, 1, 2, 3
+_OPS: dict = {}  # op overload -> its Op, written once per op at import (``define``)
+
+
+def direct(func):
+    """The ``Op`` of a ``qmoe::`` op overload (its call takes ``Op``'s direct eager paths),
+    or ``func`` itself for any other op: passthrough rules call their inner ops through
+    it."""
+    return _OPS.get(func, func)
+
+
+def _subclass_call(overload, args: tuple):
+    """A ``SUBCLASS`` route's call: the first subclass argument's ``_qmoe_eager_dispatch``
+    hook (``NotImplemented``: it has no rule for the op)."""
+    for a in args:
+        if isinstance(a, torch.Tensor) and type(a) is not torch.Tensor:
+            return type(a)._qmoe_eager_dispatch(overload, args)
+    return NotImplemented
 
 
 def _first_is_cuda(args: tuple) -> bool:
@@ -134,19 +170,23 @@ def _first_is_cuda(args: tuple) -> bool:
 def eager_route(args: tuple) -> int:
     """How ``Op.__call__`` runs a call with ``args``: ``DISPATCHER`` when traced (compile,
     export), with no tensor argument, with a tensor that is not a plain ``torch.Tensor``
-    (a subclass, a fake tensor, a ``Parameter``), or with a dispatch or function mode, a
-    functorch transform or the profiler active (which keeps the op's name in its trace
-    through the dispatcher); else ``NEEDS_GRAD`` when grad mode is on and an input
-    requires a gradient, ``NO_GRAD`` otherwise. The direct paths then reach the same
-    kernel with the same arguments and attach the same autograd formula."""
+    and declares no ``_qmoe_eager_dispatch`` (a fake tensor, a ``Parameter``, another
+    library's subclass), or with a dispatch or function mode, a functorch transform or the
+    profiler active (which keeps the op's name in its trace through the dispatcher); else
+    ``NEEDS_GRAD`` when grad mode is on and an input requires a gradient (``DISPATCHER``
+    if a subclass is among them), ``SUBCLASS`` when a subclass with the hook is among
+    them, ``NO_GRAD`` otherwise. The direct paths then reach the same kernel with the same
+    arguments and attach the same autograd formula."""
     if torch.compiler.is_compiling():
         return DISPATCHER
     grad = torch.is_grad_enabled()
-    seen = needs = False
+    seen = needs = sub = False
     for a in args:
         if isinstance(a, torch.Tensor):
             if type(a) is not torch.Tensor:
-                return DISPATCHER
+                if getattr(type(a), "_qmoe_eager_dispatch", None) is None:
+                    return DISPATCHER
+                sub = True
             seen = True
             needs = needs or (grad and a.requires_grad)
     if not seen or (
@@ -156,6 +196,8 @@ def eager_route(args: tuple) -> int:
         or torch._C._autograd._profiler_enabled()
     ):
         return DISPATCHER
+    if sub:
+        return DISPATCHER if needs else SUBCLASS
     return NEEDS_GRAD if needs else NO_GRAD
 
 
@@ -193,6 +235,8 @@ def define(schema: str) -> Callable[[Callable], Op]:
         name = schema.split("(", 1)[0]
         _LIB.define(schema)
         _LIB.impl(name, on_input_device(fn), "CompositeExplicitAutograd")
-        return Op(name, fn)
+        op = Op(name, fn)
+        _OPS[op.default] = op
+        return op
 
     return deco

@@ -1,17 +1,28 @@
 """``qmoe._library``: eager calls on plain tensors skip the dispatcher's layers
 (``eager_route``): with no gradient needed, straight to the op's CUDA kernel
 (``direct_call_ok``) or below autograd on CPU; with one needed, the op's autograd formula
-as an ``autograd.Function`` around the kernel. Every other call goes through the
-dispatcher, and both give the same outputs and gradients."""
+as an ``autograd.Function`` around the kernel; a quantized input with no gradient needed,
+straight to its passthrough rule. Every other call goes through the dispatcher, and both
+give the same outputs and gradients."""
 
 import pytest
 import torch
 
 import qmoe
-from qmoe._library import DISPATCHER, NEEDS_GRAD, NO_GRAD, direct_call_ok, eager_route
+from qmoe._library import (
+    DISPATCHER,
+    NEEDS_GRAD,
+    NO_GRAD,
+    SUBCLASS,
+    direct,
+    direct_call_ok,
+    eager_route,
+)
 from qmoe.ops.permute import _permute
 from qmoe.ops.permute_mask import _permute_mask
+from qmoe.ops.swiglu import _swiglu
 from qmoe.ops.unpermute import _unpermute
+from qmoe.tensors.base import QuantizedFallbackWarning, QuantizedTensor
 
 CUDA = torch.cuda.is_available()
 
@@ -88,7 +99,12 @@ def test_eager_routes():
         assert eager_route((x, mask)) == NO_GRAD
     assert eager_route((3, None)) == DISPATCHER  # no tensor at all
     assert eager_route((torch.nn.Parameter(x), mask)) == DISPATCHER
-    assert eager_route((qmoe.quantize(torch.randn(4, 128), qmoe.Blockwise()),)) == DISPATCHER
+    q = qmoe.quantize(torch.randn(4, 128), qmoe.Blockwise())
+    assert eager_route((q, mask)) == SUBCLASS  # qmoe's quantized tensors: their rule
+    assert eager_route((q.detach().requires_grad_(), mask)) == DISPATCHER  # autograd
+    with torch.no_grad():
+        assert eager_route((q.detach().requires_grad_(), mask)) == SUBCLASS
+    assert eager_route((q, torch.nn.Parameter(x))) == DISPATCHER
     with torch.device("cpu"):  # a torch function mode
         assert eager_route((x, mask)) == DISPATCHER
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
@@ -124,3 +140,50 @@ def test_direct_autograd_matches_the_dispatcher(dev):
     with torch.no_grad():
         out = _permute(x, rid, probs, n, fill)[0]
     assert out.grad_fn is None and torch.equal(out, direct[0])
+
+
+@pytest.mark.parametrize("dev", ["cpu"] + (["cuda"] if CUDA else []))
+def test_quantized_calls_reach_their_rule_as_through_the_dispatcher(dev, monkeypatch):
+    """An eager call on a quantized input with no gradient needed goes from ``Op`` straight
+    to the passthrough rule (``SUBCLASS``): the same outputs as through ``torch.ops``, bit
+    for bit (bits, scales, map); an op without a rule falls back through the dispatcher as
+    before (its dequantizing fallback and warning); with a gradient needed the
+    dispatcher's autograd records the call."""
+    x, mask, probs = _args(dev)
+    t = x.shape[0]
+    seen = []  # the qmoe ops that reach __torch_dispatch__
+    base = QuantizedTensor.__dict__["__torch_dispatch__"].__func__
+
+    def spy(cls, func, types, args=(), kwargs=None):
+        if func.namespace == "qmoe":
+            seen.append(func.name())
+        return base(cls, func, types, args, kwargs)
+
+    monkeypatch.setattr(QuantizedTensor, "__torch_dispatch__", classmethod(spy))
+    for recipe in (qmoe.Blockwise(), qmoe.MXFP8(), qmoe.PerTensor()):
+        q = qmoe.quantize(torch.randn(t, 200, device=dev), recipe)
+        args = (q, mask, probs, None, 70, 1)
+        direct_out = _permute_mask(*args)
+        assert seen == []  # no dispatcher on the way to the rule
+        dispatched = torch.ops.qmoe.permute_mask(*args)
+        assert seen == ["qmoe::permute_mask"]
+        seen.clear()
+        assert type(direct_out[0]) is type(q) is type(dispatched[0])
+        assert torch.equal(direct_out[0].qdata.view(torch.uint8),
+                           dispatched[0].qdata.view(torch.uint8))
+        assert torch.equal(direct_out[0].raw_scale, dispatched[0].raw_scale)
+        for a, b in zip(direct_out[1:], dispatched[1:]):
+            assert torch.equal(a, b)
+        rid = direct_out[3]
+        merged = direct(torch.ops.qmoe.unpermute.default)(direct_out[0], rid, probs)
+        assert seen == []
+        assert torch.equal(merged, torch.ops.qmoe.unpermute(dispatched[0], rid, probs))
+        seen.clear()
+    h = qmoe.quantize(torch.randn(5, 256, device=dev), qmoe.Blockwise())
+    with pytest.warns(QuantizedFallbackWarning, match="swiglu"):
+        got = _swiglu(h)  # no rule: the dispatcher's fallback on the dequantized input
+    assert type(got) is torch.Tensor and torch.equal(got, _swiglu(h.dequantize()))
+    qg = qmoe.quantize(torch.randn(t, 128, device=dev), qmoe.Blockwise())
+    qg.requires_grad_()
+    out = _permute_mask(qg, mask, probs, None, 70, 1)[0]
+    assert out.grad_fn is not None

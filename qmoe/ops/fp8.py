@@ -19,7 +19,10 @@ passthrough ops); ``qmoe.interop.torchao`` adapts torchao's and registers the sa
 (``rules``) with ``torch.library.register_torch_dispatch``.
 
 Because the rules only call ops on plain tensors, AOTAutograd can desugar the subclass
-and ``torch.compile(fullgraph=True)`` traces them (docs/design.md).
+and ``torch.compile(fullgraph=True)`` traces them (docs/design.md). They call their inner
+``qmoe::`` ops through ``qmoe._library.direct`` (the ``Op``: eager calls skip the
+dispatcher's layers), and an eager ``qmoe::`` call on a quantized input that needs no
+gradient reaches its rule without the dispatcher (``QuantizedTensor._qmoe_eager_dispatch``).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import functools
 
 import torch
 
+from qmoe._library import direct
 from qmoe.ops.permute import _permute, _permute_with_scales
 from qmoe.ops.permute_index import _permute_index
 from qmoe.ops.permute_mask import _permute_mask
@@ -110,6 +114,7 @@ def permute_rule(rows: RowLayout, func, args, kwargs):
     (``qmoe::permute_with_scales``); a carried scale stays."""
     x, rid, probs, n, fill = permute_args(args, kwargs)
     bits, srows, scale = rows.split(x)
+    func = direct(func)
     if srows is None:
         out, pp = func(bits, rid, probs, n, fill)
         return rows.join(x, out, scale), pp
@@ -130,7 +135,7 @@ def fused_permute_rule(rows: RowLayout, func, args, kwargs):
         raise TypeError(f"{func.name()}: side rows come from the quantized inp's scales; "
                         "pass side=None with a quantized inp")
     bits, srows, scale = rows.split(x)
-    out, pp, s_out, rid = func(bits, rmap, probs, srows, n, last)
+    out, pp, s_out, rid = direct(func)(bits, rmap, probs, srows, n, last)
     empty = torch.empty(0, dtype=x.dtype, device=x.device)  # no side rows out (as for plain)
     return rows.join(x, out, s_out if srows is not None else scale), pp, empty, rid
 
@@ -141,7 +146,7 @@ def sort_chunks_rule(rows: RowLayout, func, args, kwargs):
     x, sizes, index, probs = args
     bits, srows, scale = rows.split(x)
     if srows is None:
-        out, pp = func(bits, sizes, index, probs)
+        out, pp = direct(func)(bits, sizes, index, probs)
         return rows.join(x, out, scale), pp
     out, s_out, pp = _sort_chunks_rows(bits, srows, sizes, index, probs)
     return rows.join(x, out, s_out), pp
@@ -155,7 +160,7 @@ def unpermute_rule(rows: RowLayout, func, args, kwargs):
     layout = rows.merge_layout(x)
     if layout is None:
         vals, dtype = rows.dequantized(x)
-        return func(vals, rid, weights).to(dtype)
+        return direct(func)(vals, rid, weights).to(dtype)
     bits, _, _ = rows.split(x)
     return _unpermute_fp8(bits, layout[2], rid, weights, layout[0], layout[1], *layout[3:])
 
@@ -177,7 +182,7 @@ def unpermute_backward_rule(rows: RowLayout, func, args, kwargs):
         fwd_inp = rows.dequantized(fwd_inp)[0]
     if isinstance(grad, QuantizedTensor):
         grad = grad._dequantize_raw()
-    return func(grad, rid, weights, fwd_inp, n)
+    return direct(func)(grad, rid, weights, fwd_inp, n)
 
 
 def rules(rows: RowLayout) -> dict:

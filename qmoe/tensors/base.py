@@ -470,6 +470,18 @@ class QuantizedTensor(torch.Tensor):
         return None
 
     @classmethod
+    def _qmoe_eager_dispatch(cls, func, args: tuple):
+        """What ``__torch_dispatch__`` answers for ``func(*args)`` with its passthrough rule,
+        called by ``qmoe._library.Op`` for an eager ``qmoe::`` call that needs no gradient,
+        without the dispatcher's layers in between; ``NotImplemented`` (the dispatcher then
+        runs) for an op in a class's op table or outside the passthrough registry, whose
+        fallback and warning stay the dispatcher's."""
+        if cls._lookup(func) is not None:
+            return NotImplemented
+        impl = _PASSTHROUGH.get(func)
+        return NotImplemented if impl is None else impl(func, args, {})
+
+    @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         impl = cls._lookup(func)
