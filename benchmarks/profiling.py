@@ -29,6 +29,7 @@ from benchmarks.common import (
     needs_cuda,
     write_json,
 )
+from qmoe._triton import launch
 from qmoe.ops.kernels.permute import permute_rows_triton
 from qmoe.ops.kernels.permute_mask import permute_mask_triton
 from qmoe.ops.row_id_map import make_row_id_map
@@ -239,7 +240,8 @@ def small_args(p) -> None:
     p.add_argument("--config", default="small")
     p.add_argument("--calls", type=int, default=300)
     p.add_argument("--cprofile", type=int, default=25, help="top functions printed")
-    p.add_argument("--cprofile-cases", default="moe_permute(mask)",
+    p.add_argument("--cprofile-cases", default="moe_permute(mask);fp8 blockwise moe_permute(mask)"
+                   ";step: permute_with_probs + unpermute + backward",
                    help="case names to run under cProfile, separated by ;")
     p.add_argument("--out", default=None)
 
@@ -252,8 +254,10 @@ def small_main(a) -> None:
     For each case: host microseconds per call with calls issued back to back (the best of
     five rounds of ``--calls / 5`` calls, one synchronize after each: the CPU-bound rate an
     eager training step sees), the kernels one call launches (torch.profiler), and the GPU
-    time from a CUDA-graph replay. Then a cProfile of ``moe_permute(mask)`` (top functions by
-    own time). Baselines: empty Triton kernels by argument count and kind, ``torch.empty``,
+    time from a CUDA-graph replay. Then a cProfile of each of ``--cprofile-cases`` (top
+    functions by own time). Baselines: empty Triton kernels by argument count and kind
+    (through Triton's launch and through ``qmoe._triton.launch``), ``torch.empty``, the
+    torch part of the step's shape (a cast, sums, the backward engine, two accumulations),
     and the mask map built with three launches and with one
     (``mask_rows_triton`` with ``MaskMapTiling(one_launch=...)``).
     """
@@ -289,6 +293,8 @@ def small_main(a) -> None:
         "triton empty kernel, 1 arg": lambda: _empty1[(1,)](x),
         "triton empty kernel, 24 args": lambda: _empty24[(1,)](
             *([x] * 12), *ints, F0=1, F1=2, F2=3, F3=4),
+        "qmoe launch, empty kernel, 24 args": lambda: launch(
+            _empty24, (1,), *([x] * 12), *ints, F0=1, F1=2, F2=3, F3=4),
         "triton empty kernel, 12 tensors": lambda: _empty_ptrs12[(1,)](*([x] * 12)),
         "triton empty kernel, 1 tensor + 20 ints": lambda: _empty_ints20[(1,)](x, *range(20)),
         "... same, ints do_not_specialize": lambda: _empty_ints20_nospec[(1,)](x, *range(20)),
@@ -312,6 +318,9 @@ def small_main(a) -> None:
             torch.arange(32, device=dev).flip(0)),
         "step: permute_with_probs + unpermute + backward": step,
         "step, forward under torch.compile": step_compiled,
+        # the torch floor of the step's shape: a cast, sums, the engine, two accumulations
+        "step's torch part: (x.float().sum() + p.sum()).backward()": lambda: (
+            xg.float().sum() + pg.sum()).backward(),
     }
     rows = []
     for name, fn in cases.items():
