@@ -151,11 +151,14 @@ def direct(func):
     return _OPS.get(func, func)
 
 
+_PARAMETER = torch.nn.Parameter  # exactly: no __torch_dispatch__ or __torch_function__ of its own
+
+
 def _subclass_call(overload, args: tuple):
     """A ``SUBCLASS`` route's call: the first subclass argument's ``_qmoe_eager_dispatch``
     hook (``NotImplemented``: it has no rule for the op)."""
     for a in args:
-        if isinstance(a, torch.Tensor) and type(a) is not torch.Tensor:
+        if isinstance(a, torch.Tensor) and getattr(type(a), "_qmoe_eager_dispatch", None):
             return type(a)._qmoe_eager_dispatch(overload, args)
     return NotImplemented
 
@@ -169,21 +172,22 @@ def _first_is_cuda(args: tuple) -> bool:
 
 def eager_route(args: tuple) -> int:
     """How ``Op.__call__`` runs a call with ``args``: ``DISPATCHER`` when traced (compile,
-    export), with no tensor argument, with a tensor that is not a plain ``torch.Tensor``
-    and declares no ``_qmoe_eager_dispatch`` (a fake tensor, a ``Parameter``, another
-    library's subclass), or with a dispatch or function mode, a functorch transform or the
-    profiler active (which keeps the op's name in its trace through the dispatcher); else
-    ``NEEDS_GRAD`` when grad mode is on and an input requires a gradient (``DISPATCHER``
-    if a subclass is among them), ``SUBCLASS`` when a subclass with the hook is among
-    them, ``NO_GRAD`` otherwise. The direct paths then reach the same kernel with the same
-    arguments and attach the same autograd formula."""
+    export), with no tensor argument, with a tensor that is neither a plain
+    ``torch.Tensor`` nor a ``Parameter`` (which dispatches as one) and declares no
+    ``_qmoe_eager_dispatch`` (a fake tensor, another library's subclass), or with a
+    dispatch or function mode, a functorch transform or the profiler active (which keeps
+    the op's name in its trace through the dispatcher); else ``NEEDS_GRAD`` when grad
+    mode is on and an input requires a gradient (``DISPATCHER`` if a subclass with the
+    hook is among them), ``SUBCLASS`` when one is among them, ``NO_GRAD`` otherwise. The
+    direct paths then reach the same kernel with the same arguments and attach the same
+    autograd formula."""
     if torch.compiler.is_compiling():
         return DISPATCHER
     grad = torch.is_grad_enabled()
     seen = needs = sub = False
     for a in args:
         if isinstance(a, torch.Tensor):
-            if type(a) is not torch.Tensor:
+            if type(a) is not torch.Tensor and type(a) is not _PARAMETER:
                 if getattr(type(a), "_qmoe_eager_dispatch", None) is None:
                     return DISPATCHER
                 sub = True

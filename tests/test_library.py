@@ -52,7 +52,9 @@ def test_direct_call_only_where_the_dispatcher_would_pass_through():
     assert not direct_call_ok((xg, mask, probs, None, 66, 1))
     with torch.no_grad():
         assert direct_call_ok((xg, mask, probs, None, 66, 1))
-    assert not direct_call_ok((torch.nn.Parameter(x), mask, probs, None, 66, 1))
+    with torch.no_grad():  # a Parameter dispatches as a plain tensor
+        assert direct_call_ok((torch.nn.Parameter(x), mask, probs, None, 66, 1))
+    assert not direct_call_ok((torch.nn.Parameter(x), mask, probs, None, 66, 1))  # grad
     with torch.device("cuda"):  # a torch function mode
         assert not direct_call_ok(args)
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -98,13 +100,18 @@ def test_eager_routes():
     with torch.inference_mode():
         assert eager_route((x, mask)) == NO_GRAD
     assert eager_route((3, None)) == DISPATCHER  # no tensor at all
-    assert eager_route((torch.nn.Parameter(x), mask)) == DISPATCHER
+    assert eager_route((torch.nn.Parameter(x), mask)) == NEEDS_GRAD  # as a plain tensor
+    with torch.no_grad():
+        assert eager_route((torch.nn.Parameter(x), mask)) == NO_GRAD
+    buffer = torch.nn.parameter.UninitializedBuffer()  # other subclasses: the dispatcher
+    assert eager_route((buffer, mask)) == DISPATCHER
     q = qmoe.quantize(torch.randn(4, 128), qmoe.Blockwise())
     assert eager_route((q, mask)) == SUBCLASS  # qmoe's quantized tensors: their rule
     assert eager_route((q.detach().requires_grad_(), mask)) == DISPATCHER  # autograd
     with torch.no_grad():
         assert eager_route((q.detach().requires_grad_(), mask)) == SUBCLASS
-    assert eager_route((q, torch.nn.Parameter(x))) == DISPATCHER
+    with torch.no_grad():
+        assert eager_route((q, torch.nn.Parameter(x))) == SUBCLASS
     with torch.device("cpu"):  # a torch function mode
         assert eager_route((x, mask)) == DISPATCHER
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
