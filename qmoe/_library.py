@@ -28,8 +28,9 @@ class Op:
     """A defined ``qmoe::`` op: ``fn`` is its default kernel (the torch path), which a CUDA
     kernel may call for the cases it leaves to torch.
 
-    Calling the ``Op`` runs ``torch.ops.qmoe.<name>``, except for eager calls on plain
-    tensors with no mode, transform, tracer or profiler active (``eager_route``), where the
+    Calling the ``Op`` runs ``torch.ops.qmoe.<name>``, except for eager calls with every
+    argument given or defaulted by the schema, no mode, transform, tracer or profiler
+    active, and plain tensors or qmoe's quantized ones (``eager_route``), where the
     dispatcher's layers would only pass the call through:
 
     - no gradient needed: the CUDA kernel is called directly; on other devices an op with
@@ -40,9 +41,10 @@ class Op:
       kernel, without the dispatcher's two passes through Python.
 
     - no gradient needed and a tensor subclass among the arguments that declares
-      ``_qmoe_eager_dispatch`` (qmoe's quantized tensors): that hook gets the op's
-      overload and the arguments, as ``__torch_dispatch__`` would after the dispatcher's
-      layers (it returns ``NotImplemented`` to take the dispatcher after all).
+      ``_qmoe_eager_dispatch`` (qmoe's quantized tensors), for an op of a plain schema:
+      that hook gets the op's overload and the arguments, as ``__torch_dispatch__`` would
+      after the dispatcher's layers (it returns ``NotImplemented`` to take the dispatcher
+      after all: the subclass overrides the dispatch, or has no rule for the op).
 
     Traced, transformed, profiled calls, other subclasses and subclass calls that need a
     gradient keep the dispatcher, whose autograd uses the same formula; most of a small
@@ -105,21 +107,29 @@ class Op:
             return self._overload(*args)
 
     def __call__(self, *args):
+        given = args
         if len(args) < self._nargs and len(args) >= self._nargs - len(self._defaults):
             args = (*args, *self._defaults[len(args) - self._nargs:])
+        if len(args) != self._nargs:  # the dispatcher's schema error
+            return self.packet(*given)
         route = eager_route(args)
         if route == NO_GRAD:
             if self.cuda is not None and _first_is_cuda(args):
                 return self.cuda(*args)
-            if self._function is not None and len(args) == self._nargs:
+            if self._function is not None:
                 return self.below_autograd(*args)
-        elif route == NEEDS_GRAD and self._function is not None and len(args) == self._nargs:
+        elif route == NEEDS_GRAD and self._function is not None:
             return self._function.apply(*args)
-        elif route == SUBCLASS:
-            out = _subclass_call(self._overload, args)
+        elif route == SUBCLASS and self._plain_schema:
+            # the arguments as __torch_dispatch__ gets them: trailing defaults left out
+            n = len(args)
+            while n > self._nargs - len(self._defaults) and (
+                    args[n - 1] is self._defaults[n - 1 - self._nargs]):
+                n -= 1
+            out = _subclass_call(self._overload, args[:n])
             if out is not NotImplemented:
                 return out
-        return self.packet(*args)
+        return self.packet(*given)
 
 
 def _direct_function(op: Op, backward: Callable, setup_context: Callable):

@@ -22,6 +22,7 @@ from qmoe.ops.permute import _permute
 from qmoe.ops.permute_mask import _permute_mask
 from qmoe.ops.swiglu import _swiglu
 from qmoe.ops.unpermute import _unpermute
+from qmoe.tensors import base as base_module
 from qmoe.tensors.base import QuantizedFallbackWarning, QuantizedTensor
 
 CUDA = torch.cuda.is_available()
@@ -167,6 +168,7 @@ def test_quantized_calls_reach_their_rule_as_through_the_dispatcher(dev, monkeyp
         return base(cls, func, types, args, kwargs)
 
     monkeypatch.setattr(QuantizedTensor, "__torch_dispatch__", classmethod(spy))
+    monkeypatch.setattr(base_module, "_BASE_DISPATCH", spy)  # (still qmoe's own dispatch)
     for recipe in (qmoe.Blockwise(), qmoe.MXFP8(), qmoe.PerTensor()):
         q = qmoe.quantize(torch.randn(t, 200, device=dev), recipe)
         args = (q, mask, probs, None, 70, 1)
@@ -194,3 +196,26 @@ def test_quantized_calls_reach_their_rule_as_through_the_dispatcher(dev, monkeyp
     qg.requires_grad_()
     out = _permute_mask(qg, mask, probs, None, 70, 1)[0]
     assert out.grad_fn is not None
+
+
+def test_quantized_route_leaves_overrides_and_bad_arity_to_the_dispatcher():
+    """A quantized subclass that overrides ``__torch_dispatch__`` (or defines
+    ``__torch_function__``) gets its override, as through ``torch.ops``; a call with too
+    many arguments gets the dispatcher's schema error, plain or quantized."""
+    calls = []
+
+    class Logged(qmoe.Float8BlockwiseTensor):
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+            calls.append(str(func))
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    x, mask, probs = _args("cpu")
+    q = qmoe.quantize(torch.randn(x.shape[0], 128), qmoe.Blockwise())
+    lq = Logged(q.qdata, q.scale, q.orig_dtype, q.block_size)
+    _permute_mask(lq, mask, probs, None, 70, 1)
+    assert "qmoe.permute_mask.default" in calls
+    rid, fill = torch.ops.qmoe.make_row_id_map(mask, 70, False, 1)
+    for inp in (x, q):
+        with pytest.raises(RuntimeError):
+            _permute(inp, rid, None, 70, fill, 99)

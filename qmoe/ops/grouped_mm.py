@@ -232,7 +232,8 @@ def _rowwise_grouped_mm(rows, b_t, b_scale, offsets):
     """``[N, M]`` bf16: ``torch._scaled_grouped_mm`` of row-wise FP8 ``rows [N, K]`` and
     e4m3 weights ``b_t [E, M, K]`` with fp32 ``b_scale [E, M]``. Quantized rows reach the
     passthrough rule below intact (so a quantized tensor made inside a compiled region needs
-    no attribute access by Dynamo); plain rows are quantized per row here first."""
+    no attribute access by Dynamo); plain rows are quantized per row here first. Rows at
+    or past ``offsets[-1]`` are left unwritten (``grouped_mm`` zeroes them)."""
     a, a_scale = _quantize_last(rows)
     return torch._scaled_grouped_mm(a, b_t.transpose(-2, -1), a_scale, b_scale, offsets,
                                     out_dtype=torch.bfloat16)

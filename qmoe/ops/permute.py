@@ -132,7 +132,7 @@ def _routed_count(fn, routing_map, map_type, num_experts, align_size) -> tuple[i
 
 def _check_index_ids(fn, routing_map, num_experts) -> None:
     """Sync-free form of the id checks (one ``aminmax`` and an async assert on CUDA)."""
-    bound = num_experts if num_experts is not None else C.ID_LIMIT
+    bound = min(num_experts, C.ID_LIMIT) if num_experts is not None else C.ID_LIMIT
     what = f"num_experts={num_experts}" if num_experts is not None else (
         f"{C.ID_LIMIT} (renumber the experts to [0, E))")
     C.check_range(fn, routing_map, -1, bound, f"routing_map ids must be >= -1 and < {what}")
@@ -141,8 +141,9 @@ def _check_index_ids(fn, routing_map, num_experts) -> None:
 def _out_rows(fn, inp, routing_map, map_type, num_out_tokens, num_experts, align_size=1,
               fused=False):
     """Checks; ``(N, num_experts)`` as ints (N counted with a host sync when
-    ``num_out_tokens`` is None). ``fused``: a fused quantize-permute follows (its index
-    path has no id assert of its own; ``_kernel_checks_ids``)."""
+    ``num_out_tokens`` is None). ``fused``: a fused quantize-permute follows, whose index
+    path asserts the ids only in the small map, without ``num_experts``
+    (``_kernel_checks_ids``)."""
     C.check_input(fn, inp)
     C.check_routing_map(fn, inp, routing_map, map_type)
     if num_experts is not None:
@@ -173,9 +174,11 @@ def _kernel_checks_ids(inp, routing_map, num_experts, align_size, fused) -> bool
     five aten launches): ``qmoe::permute_index`` (``num_experts`` given, no ``quantize=``)
     asserts ``[-1, num_experts)`` in its fused kernel or its one-launch small map; a small
     map built by ``make_row_id_map`` (``tuning.small_index_map``) asserts
-    ``[-1, 2**31 - 1)``, enough without ``num_experts``. Traced calls keep the aten check
-    (no guards on the sizes)."""
-    if not inp.is_cuda or align_size != 1 or C.is_compiling():
+    ``[-1, 2**31 - 1)``, enough without ``num_experts``. Traced calls (compile, export,
+    ``make_fx``: any dispatch mode) keep the aten check: the path may differ at run
+    time, and no guards are made on the sizes."""
+    if (not inp.is_cuda or align_size != 1 or C.is_compiling()
+            or torch._C._len_torch_dispatch_stack()):
         return False
     t, k = routing_map.shape
     if num_experts is None or fused:

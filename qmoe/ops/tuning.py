@@ -68,10 +68,11 @@ def tail_programs(n: int) -> int:
 
 def quantize_cols_tile(k: int, m: int) -> tuple[int, int, int]:
     """``(BLOCK_K, BLOCK_M, num_warps)`` of ``quantize_cols_kernel`` (the expert weights
-    quantized per column, written transposed): 128 x 64 tiles (128-byte loads along M and
-    stores along K), 4 warps, narrower for small K or M. ``python -m benchmarks bench
-    grouped_mm`` reports it (``weight_quantize_fwd``, % of copy)."""
-    return max(16, min(128, next_pow2(k))), max(16, min(64, next_pow2(m))), 4
+    quantized per column, written transposed): 256 x 64 tiles (128-byte loads along M),
+    8 warps, narrower (and 4 warps) for small K or M: ``python -m benchmarks sweep
+    quantize --kinds cols`` (docs/benchmarks.md, "Expert GEMMs")."""
+    bk, bm = max(16, min(256, next_pow2(k))), max(16, min(64, next_pow2(m)))
+    return bk, bm, 8 if bk * bm >= 256 * 64 else 4
 
 
 def zero_tail_tile(w: int) -> tuple[int, int, int]:

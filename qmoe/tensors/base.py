@@ -473,11 +473,18 @@ class QuantizedTensor(torch.Tensor):
     def _qmoe_eager_dispatch(cls, func, args: tuple):
         """What ``__torch_dispatch__`` answers for ``func(*args)`` with its passthrough rule,
         called by ``qmoe._library.Op`` for an eager ``qmoe::`` call that needs no gradient,
-        without the dispatcher's layers in between; ``NotImplemented`` (the dispatcher then
-        runs) for an op in a class's op table or outside the passthrough registry, whose
-        fallback and warning stay the dispatcher's."""
-        if cls._lookup(func) is not None:
-            return NotImplemented
+        without the dispatcher's layers in between. ``NotImplemented`` (the dispatcher then
+        runs) where the dispatcher could answer otherwise: a quantized argument's class
+        overrides ``__torch_dispatch__`` or defines ``__torch_function__``, or has ``func``
+        in its op table; or ``func`` is outside the passthrough registry (its fallback and
+        warning stay the dispatcher's)."""
+        for a in args:
+            if isinstance(a, QuantizedTensor):
+                t = type(a)
+                if (t.__torch_dispatch__.__func__ is not _BASE_DISPATCH
+                        or t.__torch_function__ is not _NO_TORCH_FUNCTION
+                        or t._lookup(func) is not None):
+                    return NotImplemented
         impl = _PASSTHROUGH.get(func)
         return NotImplemented if impl is None else impl(func, args, {})
 
@@ -510,6 +517,10 @@ class QuantizedTensor(torch.Tensor):
             stacklevel=1,  # one location, so the warnings registry shows each op once
         )
         return func(*tree_map(_dequantize_arg, args), **tree_map(_dequantize_arg, kwargs))
+
+
+_BASE_DISPATCH = QuantizedTensor.__torch_dispatch__.__func__
+_NO_TORCH_FUNCTION = torch._C._disabled_torch_function_impl
 
 
 class _Dequantize(torch.autograd.Function):

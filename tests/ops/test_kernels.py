@@ -280,7 +280,7 @@ def test_index_map_kernel_duplicate_ids(kdevice):
     assert torch.equal(rid, _index_rows(ids, 9))
 
 
-def test_index_map_kernel_asserts_ids(kdevice, interpreter_asserts):
+def test_index_map_kernel_asserts_ids(kdevice, interpreter_asserts, monkeypatch):
     """The one-launch index map checks the ids itself (the public ops' CUDA id check on
     this path): below -1, at or past the bound (num_experts, else 2**31 - 1; int64 ids
     past 2**32 included, not narrowed first) trip its device assert. On CUDA an assert
@@ -289,16 +289,32 @@ def test_index_map_kernel_asserts_ids(kdevice, interpreter_asserts):
         pytest.skip("a device assert ends the CUDA context")
     from triton.runtime.errors import InterpreterError
 
+    from qmoe.ops.kernels import row_id_map as KR
     from qmoe.ops.kernels.row_id_map import index_rows_triton
+    from qmoe.ops.permute_index import _permute_index_cuda
 
     ids = torch.tensor([[0, 1], [3, -1], [2, 2]])
     index_rows_triton(ids, 4)  # fine as given, with and without a bound
     index_rows_triton(ids, 4, 4)
+    index_rows_triton(ids.clamp(min=0).to(torch.uint8), 4, 4)  # unsigned ids compile
     for bad, e in ((ids, 3), (ids.masked_fill(ids == -1, -2), None),
                    (ids.masked_fill(ids == 3, 2**31 - 1), None),
-                   (ids.masked_fill(ids == 3, 2**32 + 1), None)):
+                   (ids.masked_fill(ids == 3, 2**32 + 1), None),
+                   (ids.masked_fill(ids == 3, 2**32 + 1), 2**40)):  # bound capped at 2**31-1
         with pytest.raises(InterpreterError, match="ids must be >= -1 and < num_experts"):
             index_rows_triton(bad, 4, e)
+    # qmoe::permute_index's CUDA body (run here on CPU tensors): a small map with the bound
+    x = torch.randn(3, 8)
+    with pytest.raises(InterpreterError, match="ids must be >= -1 and < num_experts"):
+        _permute_index_cuda(x, ids, None, None, 4, 3)
+    # the launch compiles the assert in on CUDA (the interpreter runs it either way here)
+    seen = []
+    real = KR.launch
+    monkeypatch.setattr(KR, "launch", lambda k, g, *a, **o: (seen.append((a, o)), real(
+        k, g, *a, **o))[1])
+    index_rows_triton(ids, 4, 5)
+    (args, options), = seen
+    assert options["debug"] is True and args[6] == 5, (args, options)
 
 
 # blocks of at most 16 tokens, as the launcher's (map_tiling): on the GPU the compile of a

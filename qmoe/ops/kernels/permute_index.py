@@ -146,8 +146,8 @@ def permute_index_triton(
 ):
     """``(out [N, H], permuted_probs [N] or empty, side_out [N, NS] or empty, row_id_map
     [T, 2K+1] int32)`` of ``x [T, H]`` by the index map ``ids [T, K]`` (expert ids in
-    ``[-1, num_experts)``, ``-1`` not routed; an id outside fails a device assert, and
-    the public ops reject it first), with ``probs [T, K]`` and side rows ``[T, NS]`` moved
+    ``[-1, num_experts)``, ``-1`` not routed; an id outside fails a device assert, the
+    public ops' id check on this path), with ``probs [T, K]`` and side rows ``[T, NS]`` moved
     alike: as ``make_row_id_map(ids, N, True, 1)`` then the scatter, bit for bit. ``tiling``
     overrides the count block, warps and PDL (``PermuteIndexTiling``); ``out`` (tests:
     poisoned) receives the rows. Three launches, no host sync."""

@@ -308,10 +308,11 @@ def index_row_id_map_small_kernel(
     ks = tl.arange(0, BLOCK_K)
     kmask = ks < K
     raw = tl.load(ids_ptr + t.to(tl.int64) * stride_t + ks, mask=kmask, other=-1)
-    tl.device_assert((raw >= -1) & (raw.to(tl.int64) < HI),
+    wide = raw.to(tl.int64)  # (compared wide: uint8 ids and int64 ids past 2**31 alike)
+    tl.device_assert((wide >= -1) & (wide < HI),
                      "qmoe: routing_map ids must be >= -1 and < num_experts (below 2**31 - 1 "
                      "without num_experts: renumber the experts to [0, E))")
-    e = raw.to(tl.int32)
+    e = wide.to(tl.int32)
     routed = kmask & (e >= 0)
     p = t * K + ks
     rank = tl.zeros((BLOCK_K,), dtype=tl.int32)
@@ -437,8 +438,8 @@ def index_rows_triton(routing_map: torch.Tensor, num_out_tokens: int,
                       num_experts: int | None = None):
     """``(row_id_map [T, 2K+1], fill [1, 2])`` int32 of a small index map ``[T, K]`` in one
     launch (``tuning.small_index_map``); equal to the sorting build's. Ids outside
-    ``[-1, num_experts)`` (``[-1, 2**31 - 1)`` when None) trip a device assert. No host
-    sync."""
+    ``[-1, min(num_experts, 2**31 - 1))`` (``[-1, 2**31 - 1)`` when None) trip a device
+    assert. No host sync."""
     t, k = routing_map.shape
     ids = unit_stride(routing_map)
     rid = ids.new_empty((t, 2 * k + 1), dtype=torch.int32)
@@ -446,7 +447,8 @@ def index_rows_triton(routing_map: torch.Tensor, num_out_tokens: int,
     chunk, nw = small_index_tile(t, k)
     launch(index_row_id_map_small_kernel, (t,),
         ids, rid, fill, t, k, num_out_tokens,
-        ID_LIMIT if num_experts is None else num_experts, ids.stride(0), BLOCK_K=next_pow2(k),
+        ID_LIMIT if num_experts is None else min(num_experts, ID_LIMIT), ids.stride(0),
+        BLOCK_K=next_pow2(k),
         CHUNK=chunk, num_warps=nw, **assert_options(),  # the id check
     )
     return rid, fill
