@@ -41,6 +41,7 @@ def _cases(cfg):
     top = torch.randn(t, e, device=dev, generator=g).topk(k, dim=1)
     mask = torch.zeros(t, e, dtype=torch.bool, device=dev).scatter_(1, top.indices, True)
     probs = torch.zeros(t, e, device=dev).scatter(1, top.indices, top.values.softmax(1))
+    ids = top.indices.contiguous()
     n = t * k
     q = qmoe.quantize(x, qmoe.Blockwise())
     rows, rid = qmoe.moe_permute(x, mask, num_out_tokens=n)
@@ -57,6 +58,9 @@ def _cases(cfg):
     return {
         "permute_bf16": lambda: qmoe.moe_permute_with_probs(x, probs, mask, num_out_tokens=n),
         "permute_mask_bf16": lambda: qmoe.moe_permute(x, mask, num_out_tokens=n),
+        "permute_index_bf16": lambda: qmoe.moe_permute(x, ids, n, map_type="index"),
+        "permute_index_e_bf16": lambda: qmoe.moe_permute(x, ids, n, map_type="index",
+                                                         num_experts=e),
         "quantize_blockwise": lambda: qmoe.quantize(x, qmoe.Blockwise()),
         "permute_fp8": lambda: qmoe.moe_permute(q, mask, num_out_tokens=n),
         "permute_quantize": lambda: qmoe.moe_permute(x, mask, num_out_tokens=n,
