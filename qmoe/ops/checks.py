@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import torch
 
+from qmoe.ops.launch import ID_LIMIT  # noqa: F401 - re-exported: the public ops' bound
 from qmoe.tensors.base import QuantizedTensor
 from qmoe.tensors.layouts import HP_DTYPES
 from qmoe.tensors.quantize import check_block_args, check_op_dtypes, check_scale_tensor
@@ -23,9 +24,6 @@ PROBS_DTYPES = (*FLOATS, torch.float64)
 SIGNED_INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64)
 #: Integer masks, ``tokens_per_expert`` and a tensor ``num_out_tokens``: any integer
 INT_DTYPES = (*SIGNED_INT_DTYPES, torch.uint8)
-#: Index-map ids must be below this (the maps key experts on int32, with this value as the
-#: "unrouted" sentinel); checked by the public ops for every id dtype.
-ID_LIMIT = torch.iinfo(torch.int32).max
 
 
 def as_int(fn: str, name: str, v):

@@ -10,6 +10,11 @@ import os
 
 import torch
 
+#: Index-map ids must be below this (the maps key experts on int32, with this value as the
+#: "unrouted" sentinel); checked by the public ops for every id dtype, and by the one-launch
+#: index map's device assert.
+ID_LIMIT = torch.iinfo(torch.int32).max
+
 
 def num_slots(row_id_map: torch.Tensor) -> int:
     """S of a ``row_id_map`` ``[T, 2*S + 1]`` (``qmoe.ops.row_id_map``): E for a mask map,

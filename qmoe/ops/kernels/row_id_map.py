@@ -37,8 +37,7 @@ import triton.language as tl
 
 from qmoe._intmath import cdiv, next_pow2
 from qmoe._triton import launch
-from qmoe.ops.checks import ID_LIMIT
-from qmoe.ops.launch import assert_options, mask_operand, pdl_options, unit_stride
+from qmoe.ops.launch import ID_LIMIT, assert_options, mask_operand, pdl_options, unit_stride
 from qmoe.ops.tuning import (
     MaskMapTiling,
     map_tiling,
