@@ -46,6 +46,7 @@ from qmoe.ops.kernels.grouped_mm import (
 )
 from qmoe.tensors.base import QuantizedTensor, register_passthrough
 from qmoe.tensors.layouts import EPS, OP_BLOCK_SIZES
+from qmoe.tensors.quantize import _quantize_blocks
 from qmoe.tensors.recipes import Blockwise, PerTensor, RowWise, fp8_max
 from qmoe.tensors.types import Float8BlockwiseTensor, Float8Tensor
 
@@ -110,7 +111,7 @@ def _quantize_last(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale per vector, ``max(amax, EPS) / 448``: ``qmoe.RowWise``'s rule), contiguous: one
     ``qmoe::quantize_blocks`` launch with one block over the vector."""
     bs = next_pow2(max(x.shape[-1], 1))
-    q, scale = torch.ops.qmoe.quantize_blocks(x.contiguous(), bs, _E4M3, "amax")
+    q, scale = _quantize_blocks(x.contiguous(), bs, _E4M3, "amax")
     return q, scale.squeeze(-1)
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from qmoe._library import define
+from qmoe._library import define, direct
 from qmoe.ops.kernels.permute_mask import permute_mask_triton
 from qmoe.ops.row_id_map import make_row_id_map
 from qmoe.ops.unpermute import permute_grads
@@ -48,10 +48,10 @@ def map_then_permute(inp, routing_map, probs, side, n, is_index, align_size, map
     moved (``permute_with_scales``: one scatter on CUDA); same outputs."""
     rid, fill = maps if maps is not None else make_row_id_map(routing_map, n, is_index,
                                                               align_size)
-    if side is None:
-        out, pp = ops.permute(inp, rid, probs, n, fill)
+    if side is None:  # (the ops are defined above this module: their Op through direct)
+        out, pp = direct(ops.permute.default)(inp, rid, probs, n, fill)
         return out, pp, inp.new_empty(0), rid
-    out, so, pp = ops.permute_with_scales(inp, side, rid, probs, n, fill)
+    out, so, pp = direct(ops.permute_with_scales.default)(inp, side, rid, probs, n, fill)
     return out, pp, so, rid
 
 

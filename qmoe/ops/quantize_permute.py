@@ -174,25 +174,26 @@ def _wrap(recipe: Recipe, q, s_out, orig_dtype, bs):
     return Float8BlockwiseTensor(q, s_out, orig_dtype, bs)
 
 
-def _quantize_permute(x, probs, routing_map, is_index, align_size, n, recipe, scale):
+def _fused_outputs(x, probs, routing_map, is_index, align_size, n, recipe, scale):
     """The fused path's outputs ``(quantized rows [N, H], permuted_probs, row_id_map)``,
-    no autograd (``_QuantizePermute``'s forward, and eager calls that need no gradient)."""
+    no autograd (``_QuantizePermute``'s forward, and eager calls that need no gradient).
+    The ops are called through their ``Op`` (eager: no dispatcher)."""
     bs, fp8, mode, s = _recipe_args(x, recipe, scale)
     args = (n, bs, fp8, mode, s)
     if _map_in_launch(x, is_index, n):
-        q, s_out, pp, rid = ops.quantize_permute_mask(x, routing_map, probs, n,
-                                                      align_size, *args[1:])
+        q, s_out, pp, rid = _quantize_permute_mask(x, routing_map, probs, n,
+                                                   align_size, *args[1:])
     else:
         rid, fill = make_row_id_map(routing_map, n, is_index, align_size)
-        q, s_out, pp = ops.quantize_permute(x, rid, probs, *args, fill)
+        q, s_out, pp = _quantize_permute(x, rid, probs, *args, fill)
     return _wrap(recipe, q, s_out, x.dtype, bs), pp, rid
 
 
 class _QuantizePermute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, probs, routing_map, is_index, align_size, n, recipe, scale):
-        out, pp, rid = _quantize_permute(x, probs, routing_map, is_index, align_size, n,
-                                         recipe, scale)
+        out, pp, rid = _fused_outputs(x, probs, routing_map, is_index, align_size, n,
+                                      recipe, scale)
         ctx.save_for_backward(rid)
         ctx.mark_non_differentiable(rid)
         ctx.probs_meta = None if probs is None else (tuple(probs.shape), probs.dtype)
@@ -209,7 +210,7 @@ class _QuantizePermuteByMap(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, row_id_map, n, recipe):
         bs, fp8, mode, s = _recipe_args(x, recipe, None)
-        q, s_out, _ = ops.quantize_permute(x, row_id_map, None, n, bs, fp8, mode, s)
+        q, s_out, _ = _quantize_permute(x, row_id_map, None, n, bs, fp8, mode, s)
         ctx.save_for_backward(row_id_map)
         return _wrap(recipe, q, s_out, x.dtype, bs)
 
@@ -248,5 +249,5 @@ def quantize_and_permute(fn: str, x, probs, routing_map, is_index: bool, align_s
         check_given_scale(fn, "quantize_scale", scale, "inp", x)
     args = (x, probs, routing_map, is_index, align_size, n, recipe, scale)
     if eager_route((x, probs)) == NO_GRAD:  # no gradient to attach: skip the Function
-        return _quantize_permute(*args)
+        return _fused_outputs(*args)
     return _QuantizePermute.apply(*args)

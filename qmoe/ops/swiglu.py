@@ -23,7 +23,12 @@ import torch.nn.functional as F
 from qmoe._library import define
 from qmoe.ops.kernels.swiglu import swiglu_backward_triton, swiglu_triton
 from qmoe.tensors.base import QuantizedTensor, plain_grad, register_passthrough
-from qmoe.tensors.quantize import check_block_args, dequantize, recipe_scale_mode
+from qmoe.tensors.quantize import (
+    _quantize_blocks,
+    check_block_args,
+    dequantize,
+    recipe_scale_mode,
+)
 from qmoe.tensors.quantize import quantize as quantize_tensor
 from qmoe.tensors.recipes import MXFP8, Blockwise, PerTensor, RowWise, block_size_of
 from qmoe.tensors.types import Float8BlockwiseTensor, MXFP8Tensor
@@ -77,7 +82,7 @@ def _swiglu_quantize(h, block_size, fp8_dtype, scale_mode):
     writes the activation."""
     _check_h("swiglu_quantize", h)
     check_block_args(h, block_size, fp8_dtype, scale_mode, "swiglu_quantize")
-    return torch.ops.qmoe.quantize_blocks(_swiglu_reference(h), block_size, fp8_dtype,
+    return _quantize_blocks(_swiglu_reference(h), block_size, fp8_dtype,
                                           scale_mode)
 
 
@@ -93,7 +98,7 @@ def _(h, block_size, fp8_dtype, scale_mode):
     _check_h("swiglu_quantize", h)
     check_block_args(h, block_size, fp8_dtype, scale_mode, "swiglu_quantize")
     act = h.new_empty((h.shape[0], h.shape[1] // 2))
-    return torch.ops.qmoe.quantize_blocks(act, block_size, fp8_dtype, scale_mode)
+    return _quantize_blocks(act, block_size, fp8_dtype, scale_mode)
 
 
 def _check_backward(grad, h) -> None:
