@@ -219,3 +219,17 @@ def test_quantized_route_leaves_overrides_and_bad_arity_to_the_dispatcher():
     for inp in (x, q):
         with pytest.raises(RuntimeError):
             _permute(inp, rid, None, 70, fill, 99)
+
+
+def test_each_op_keeps_its_module_name():
+    """Each ``define``d op is still the object its module names it by (a later function of
+    the same name would shadow the ``Op``, and the module's calls would then miss its direct
+    paths and autograd formula)."""
+    import sys
+
+    import qmoe.distributed  # noqa: F401 - defines qmoe::all_to_all_rows
+    from qmoe._library import _OPS
+
+    assert len(_OPS) > 20
+    for op in _OPS.values():
+        assert getattr(sys.modules[op.fn.__module__], op.fn.__name__, None) is op, op.name
