@@ -25,6 +25,9 @@ experts' totals.
 
 from __future__ import annotations
 
+import functools
+from types import MappingProxyType
+
 import torch
 import triton
 import triton.language as tl
@@ -60,7 +63,7 @@ from qmoe.ops.tuning import (
     fused_map_tiling,
     quantize_permute_columns,
     reg_routes_flag,
-    small_mask,
+    small_map,
     tail_programs,
 )
 from qmoe.tensors import layouts
@@ -314,18 +317,18 @@ def _outputs(x, n, block_size, fp8_dtype, scale_mode, scale, probs, poison):
     return q, s_out, pp, bs, nb
 
 
-def _consts(x, fp8_dtype, scale_mode, bs, nb, tile, steps) -> dict:
-    """The quantizing constexprs of the fused kernels, and the column tiling: ``tile`` row
-    elements a step, ``steps`` steps a program (0: the whole row, so a token's map row is
-    read or built once); a tile or steps not given (None) is
-    ``tuning.quantize_permute_columns``'s."""
-    tile, steps = quantize_permute_columns(x.shape[1], tile, steps)
+def _consts(h, on_cuda, fp8_dtype, scale_mode, bs, nb, tile, steps) -> dict:
+    """The quantizing constexprs of the fused kernels for rows of ``h`` elements (``on_cuda``:
+    the hardware fp8 cast), and the column tiling: ``tile`` row elements a step, ``steps``
+    steps a program (0: the whole row, so a token's map row is read or built once); a tile
+    or steps not given (None) is ``tuning.quantize_permute_columns``'s."""
+    tile, steps = quantize_permute_columns(h, tile, steps)
     groups = max(1, min(tile // bs, next_pow2(nb)))
     mb, bias = fp8_fields(fp8_dtype)
     return dict(FP8_MAX=fp8_max(fp8_dtype), EMAX_ELEM=emax_elem(fp8_dtype), EPS=EPS,
                 SCALE_MODE=(layouts.SCALE_GIVEN if scale_mode == "given"
                             else SCALE_MODES[scale_mode]),
-                MB=mb, BIAS=bias, HW_CAST=x.is_cuda, BS=bs,
+                MB=mb, BIAS=bias, HW_CAST=on_cuda, BS=bs,
                 GROUPS=groups, STEPS=steps or cdiv(nb, groups))
 
 
@@ -358,7 +361,7 @@ def quantize_permute_triton(x, rid, probs, n, block_size, fp8_dtype, scale_mode,
     fill = fill.contiguous() if fill is not None else None
     given, has_p, has_f = scale_mode == "given", probs is not None, fill is not None
     written = fill if has_f else torch.zeros(n, dtype=torch.int8, device=x.device)
-    consts = _consts(x, fp8_dtype, scale_mode, bs, nb, o.tile, o.steps)
+    consts = _consts(x.shape[1], x.is_cuda, fp8_dtype, scale_mode, bs, nb, o.tile, o.steps)
     progs, r, z = scatter_programs(t, n, fill)
     if progs:
         launch(quantize_permute_kernel, (progs, _column_programs(nb, consts)),
@@ -396,24 +399,41 @@ def quantize_permute_mask_triton(x, mask, n, align_size, probs, block_size, fp8_
     rid = torch.empty((t, 2 * e + 1), dtype=torch.int32, device=mask.device)
     m = mask_operand(mask)
     x, probs = unit_stride(x), unit_stride(probs)
+    has_p = probs is not None
+    grid, z, small, bt, map_warps, pdl, options = _mask_quant_plan(
+        t, h, e, n, align_size, m.element_size(), has_p, x.is_cuda, fp8_dtype, scale_mode,
+        bs, nb, o, (pdl_default(x) if o.pdl is None else o.pdl))
+    before, total = (None, None) if small else block_counts(m, bt, map_warps, pdl)
+    launch(quantize_permute_mask_kernel, grid,
+        x, q, s_out, m, before, total, rid, probs, pp if has_p else None, t, n, h, nb, e,
+        max(align_size, 1), z, x.stride(0), m.stride(0), probs.stride(0) if has_p else None,
+        **options,
+    )
+    return q.view(fp8_dtype), s_out, pp, rid
+
+
+@functools.lru_cache(maxsize=1024)
+def _mask_quant_plan(t, h, e, n, align_size, m_size, has_p, on_cuda, fp8_dtype, scale_mode,
+                     bs, nb, o, pdl_ok):
+    """``(grid, Z, SMALL, count block, count warps, PDL, launch options)`` of
+    ``quantize_permute_mask_kernel`` for these sizes, dtypes and overrides ``o``
+    (``pdl_ok``: PDL allowed here): pure in its arguments, so kept per process (no data;
+    the options read-only)."""
     d = fused_map_tiling(t, e)
     bt, map_warps = o.block_t or d.block_t, o.map_warps or d.num_warps
-    small = o.one_launch if o.one_launch is not None else small_mask(m)
-    pdl = not small and (pdl_default(x) if o.pdl is None else o.pdl)
-    before, total = (None, None) if small else block_counts(m, bt, map_warps, pdl)
+    small = o.one_launch if o.one_launch is not None else small_map(t, e, m_size)
+    pdl = not small and pdl_ok
     ranges = e if align_size > 1 else 0
     z = tail_programs(n)
-    has_p = probs is not None
     be = next_pow2(e)
     nw = o.num_warps or QUANT_PERMUTE_WARPS
     steps = MASK_QUANT_STEPS if o.steps is None else o.steps
-    consts = _consts(x, fp8_dtype, scale_mode, bs, nb, o.tile or MASK_QUANT_TILE, steps)
-    launch(quantize_permute_mask_kernel, (t + ranges + z, _column_programs(nb, consts)),
-        x, q, s_out, m, before, total, rid, probs, pp if has_p else None, t, n, h, nb, e,
-        max(align_size, 1), z, x.stride(0), m.stride(0), probs.stride(0) if has_p else None,
+    consts = _consts(h, on_cuda, fp8_dtype, scale_mode, bs, nb, o.tile or MASK_QUANT_TILE,
+                     steps)
+    options = MappingProxyType(dict(
         HAS_P=has_p, SMALL=small, BLOCK_T=bt, BLOCK_E=be,
         CHUNK_T=count_chunk(t, be, nw), KB=o.kb or QUANT_PERMUTE_KB,
         REG_ROUTES=reg_routes_flag(be, o.reg_routes), PDL=pdl, num_warps=nw,
         **pdl_options(pdl), **assert_options(), **consts,  # assert_probs_not_nan
-    )
-    return q.view(fp8_dtype), s_out, pp, rid
+    ))
+    return (t + ranges + z, _column_programs(nb, consts)), z, small, bt, map_warps, pdl, options
