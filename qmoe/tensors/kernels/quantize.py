@@ -12,6 +12,9 @@ under ``TRITON_INTERPRET=1`` on CPU tensors.
 
 from __future__ import annotations
 
+import functools
+from types import MappingProxyType
+
 import torch
 import triton
 import triton.language as tl
@@ -312,30 +315,24 @@ def quantize_rows_triton(
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     r = x2.shape[0]
-    block_r, groups, num_warps = quantize_rows_tile(block_size, nb) if tiling is None else tiling
-    grid = (cdiv(r, block_r), cdiv(nb, groups))
-    mb, bias = fp8_fields(fp8_dtype)
-    launch(quantize_rows_kernel, grid,
-        x2,
-        q.view(torch.uint8),
-        s_out,
-        r,
-        h,
-        nb,
-        x2.stride(0),
-        FP8_MAX=fp8_max(fp8_dtype),
-        EMAX_ELEM=emax_elem(fp8_dtype),
-        EPS=EPS,
-        SCALE_MODE=mode,
-        MB=mb,
-        BIAS=bias,
-        HW_CAST=x.is_cuda,
-        BS=block_size,
-        GROUPS=groups,
-        BLOCK_R=block_r,
-        num_warps=num_warps,
-    )
+    block_r, groups, options = _rows_plan(block_size, nb, fp8_dtype, mode, x.is_cuda, tiling)
+    launch(quantize_rows_kernel, (cdiv(r, block_r), cdiv(nb, groups)),
+        x2, q.view(torch.uint8), s_out, r, h, nb, x2.stride(0), **options)
     return q, s_out
+
+
+@functools.lru_cache(maxsize=256)
+def _rows_plan(block_size, nb, fp8_dtype, mode, on_cuda, tiling):
+    """``(BLOCK_R, GROUPS, launch options)`` of ``quantize_rows_kernel`` for blocks of
+    ``block_size``, ``nb`` a row, ``fp8_dtype``, scale mode code ``mode`` and ``tiling``
+    (or ``quantize_rows_tile``'s): pure in its arguments, so kept per process (no data;
+    the options read-only)."""
+    block_r, groups, num_warps = quantize_rows_tile(block_size, nb) if tiling is None else tiling
+    mb, bias = fp8_fields(fp8_dtype)
+    return block_r, groups, MappingProxyType(dict(
+        FP8_MAX=fp8_max(fp8_dtype), EMAX_ELEM=emax_elem(fp8_dtype), EPS=EPS, SCALE_MODE=mode,
+        MB=mb, BIAS=bias, HW_CAST=on_cuda, BS=block_size, GROUPS=groups, BLOCK_R=block_r,
+        num_warps=num_warps))
 
 
 def dequantize_rows_triton(
