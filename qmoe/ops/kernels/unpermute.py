@@ -15,6 +15,9 @@ whole (zeros off the routes, in the weights' dtype), so no zero fill and no cast
 
 from __future__ import annotations
 
+import functools
+from types import MappingProxyType
+
 import torch
 import triton
 import triton.language as tl
@@ -378,18 +381,27 @@ def _merge(x, rid, weights, out, probs_grad=None) -> None:
         if probs_grad is not None:
             probs_grad[1].zero_()
         return
-    bh, nw, evict, pairs = merge_tile(h, weights is not None)
     w, p = _weights_arg(weights, x)
     gpp = gp = None
     if probs_grad is not None:
         gpp, gp = probs_grad
         gpp, p = gpp.contiguous(), gp.shape[1]
+    bh, options = _merge_plan(h, weights is not None, p if gp is not None else None)
     launch(unpermute_gather_kernel, (t, max(cdiv(h, bh), 1)),
-        x, out, rid, w, h, num_slots(rid), x.shape[0], w.stride(0), p, gpp, gp,
-        HAS_W=weights is not None, HAS_GP=gp is not None, BLOCK_H=bh,
-        BLOCK_P=next_pow2(max(p, 1)) if gp is not None else 1, EVICT=evict, PAIRS=pairs,
-        num_warps=nw, **assert_options(),  # check_routes
-    )
+        x, out, rid, w, h, num_slots(rid), x.shape[0], w.stride(0), p, gpp, gp, **options)
+
+
+@functools.lru_cache(maxsize=256)
+def _merge_plan(h: int, has_w: bool, gp_cols: int | None):
+    """``(BLOCK_H, launch options)`` of ``unpermute_gather_kernel`` for rows of ``h``, with
+    weights or not, and with a probs gradient of ``gp_cols`` columns (None: none): pure in
+    its arguments, so kept per process (no data; the options read-only)."""
+    bh, nw, evict, pairs = merge_tile(h, has_w)
+    return bh, MappingProxyType(dict(
+        HAS_W=has_w, HAS_GP=gp_cols is not None, BLOCK_H=bh,
+        BLOCK_P=next_pow2(max(gp_cols, 1)) if gp_cols is not None else 1, EVICT=evict,
+        PAIRS=pairs, num_warps=nw, **assert_options(),  # check_routes
+    ))
 
 
 def unpermute_fp8_triton(
