@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from qmoe._intmath import cdiv
-from qmoe._library import NO_GRAD, define, direct, eager_route
+from qmoe._library import NO_GRAD, define, eager_route
 from qmoe.ops import checks as C
 from qmoe.ops.kernels.quantize_permute import (
     quantize_permute_mask_triton,
@@ -27,8 +27,6 @@ from qmoe.ops.tuning import MASK_MAP_MIN_ROWS_PER_TOKEN
 from qmoe.ops.unpermute import permute_grads, probs_grad
 from qmoe.tensors.base import QuantizedTensor, plain_grad
 from qmoe.tensors.quantize import (
-    _quantize_blocks,
-    _quantize_with_scale,
     check_given_scale,
     per_tensor_scale,
     recipe_scale_mode,
@@ -41,18 +39,16 @@ ops = torch.ops.qmoe
 
 
 def _two_step(x, rid, probs, n, block_size, fp8_dtype, scale_mode, scale):
-    """``quantize`` then ``permute`` on the raw tensors (the definition; CPU path). The ops
-    through their ``Op`` (``qmoe::permute`` is defined above this module: ``direct``)."""
+    """``quantize`` then ``permute`` on the raw tensors (the definition; CPU path)."""
     if scale_mode == "given":
-        q, s = _quantize_with_scale(x, scale, fp8_dtype), scale
+        q, s = ops.quantize_with_scale(x, scale, fp8_dtype), scale
     else:
-        q, s = _quantize_blocks(x, block_size, fp8_dtype, scale_mode)
-    permute = direct(ops.permute.default)
-    bits, pp = permute(q.view(torch.uint8), rid, probs, n)
+        q, s = ops.quantize_blocks(x, block_size, fp8_dtype, scale_mode)
+    bits, pp = ops.permute(q.view(torch.uint8), rid, probs, n)
     # a given scale comes back fp32 [] whatever one-element shape it came in (as the fake
     # and the kernel path)
     s_out = (s.float().reshape(()).clone() if scale_mode == "given"
-             else permute(s, rid, None, n)[0])
+             else ops.permute(s, rid, None, n)[0])
     return bits.view(fp8_dtype), s_out, pp if probs is not None else x.new_empty(0)
 
 
