@@ -31,9 +31,9 @@ from qmoe.tensors.quantize import (
     per_tensor_scale,
     recipe_scale_mode,
     scale_dtype,
+    wrap_quantized,
 )
 from qmoe.tensors.recipes import MXFP8, Blockwise, PerTensor, Recipe, RowWise, block_size_of
-from qmoe.tensors.types import Float8BlockwiseTensor, Float8Tensor, MXFP8Tensor
 
 ops = torch.ops.qmoe
 
@@ -166,14 +166,6 @@ def _recipe_args(x, recipe: Recipe, scale):
     return block_size_of(recipe, x.shape[-1]), recipe.fp8_dtype, recipe_scale_mode(recipe), None
 
 
-def _wrap(recipe: Recipe, q, s_out, orig_dtype, bs):
-    if isinstance(recipe, PerTensor):
-        return Float8Tensor(q, s_out, orig_dtype)
-    if isinstance(recipe, MXFP8):
-        return MXFP8Tensor(q, s_out, orig_dtype)
-    return Float8BlockwiseTensor(q, s_out, orig_dtype, bs)
-
-
 def _fused_outputs(x, probs, routing_map, is_index, align_size, n, recipe, scale):
     """The fused path's outputs ``(quantized rows [N, H], permuted_probs, row_id_map)``,
     no autograd (``_QuantizePermute``'s forward, and eager calls that need no gradient).
@@ -186,7 +178,7 @@ def _fused_outputs(x, probs, routing_map, is_index, align_size, n, recipe, scale
     else:
         rid, fill = make_row_id_map(routing_map, n, is_index, align_size)
         q, s_out, pp = _quantize_permute(x, rid, probs, *args, fill)
-    return _wrap(recipe, q, s_out, x.dtype, bs), pp, rid
+    return wrap_quantized(recipe, q, s_out, x.dtype, bs), pp, rid
 
 
 class _QuantizePermute(torch.autograd.Function):
@@ -212,7 +204,7 @@ class _QuantizePermuteByMap(torch.autograd.Function):
         bs, fp8, mode, s = _recipe_args(x, recipe, None)
         q, s_out, _ = _quantize_permute(x, row_id_map, None, n, bs, fp8, mode, s)
         ctx.save_for_backward(row_id_map)
-        return _wrap(recipe, q, s_out, x.dtype, bs)
+        return wrap_quantized(recipe, q, s_out, x.dtype, bs)
 
     @staticmethod
     def backward(ctx, grad_out):

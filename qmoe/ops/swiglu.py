@@ -82,8 +82,7 @@ def _swiglu_quantize(h, block_size, fp8_dtype, scale_mode):
     writes the activation."""
     _check_h("swiglu_quantize", h)
     check_block_args(h, block_size, fp8_dtype, scale_mode, "swiglu_quantize")
-    return _quantize_blocks(_swiglu_reference(h), block_size, fp8_dtype,
-                                          scale_mode)
+    return _quantize_blocks(_swiglu_reference(h), block_size, fp8_dtype, scale_mode)
 
 
 @_swiglu_quantize.register_cuda

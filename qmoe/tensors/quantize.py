@@ -288,6 +288,17 @@ def recipe_scale_mode(recipe: Recipe) -> str:
 
 
 # ---------------------------------------------------------------------- autograd
+def wrap_quantized(recipe: Recipe, qdata: torch.Tensor, scale: torch.Tensor,
+                   orig_dtype: torch.dtype, block_size: int):
+    """The recipe's quantized type around ``qdata`` (fp8) and ``scale`` (the per-tensor
+    ``[]``, or block scales of ``block_size``, which a per-tensor or MX type ignores)."""
+    if isinstance(recipe, PerTensor):
+        return Float8Tensor(qdata, scale, orig_dtype)
+    if isinstance(recipe, MXFP8):
+        return MXFP8Tensor(qdata, scale, orig_dtype)
+    return Float8BlockwiseTensor(qdata, scale, orig_dtype, block_size)
+
+
 def _quantize(x, recipe, scale):
     """``quantize``'s result without autograd (``_Quantize``'s forward, and eager calls
     that need no gradient)."""
@@ -296,13 +307,11 @@ def _quantize(x, recipe, scale):
         # place must not change tensors already quantized with it (as the fused path)
         s = per_tensor_scale(x, recipe) if scale is None else (
             scale.detach().float().reshape(()).clone())
-        q = _quantize_with_scale(x, s, recipe.fp8_dtype)
-        return Float8Tensor(q, s, x.dtype)
+        return wrap_quantized(recipe, _quantize_with_scale(x, s, recipe.fp8_dtype), s,
+                              x.dtype, 0)
     bs = block_size_of(recipe, x.shape[-1])
     q, s = _quantize_blocks(x, bs, recipe.fp8_dtype, recipe_scale_mode(recipe))
-    if isinstance(recipe, MXFP8):
-        return MXFP8Tensor(q, s, x.dtype)
-    return Float8BlockwiseTensor(q, s, x.dtype, bs)
+    return wrap_quantized(recipe, q, s, x.dtype, bs)
 
 
 class _Quantize(torch.autograd.Function):
