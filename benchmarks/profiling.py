@@ -296,6 +296,7 @@ def small_main(a) -> None:
         "qmoe launch, empty kernel, 24 args": lambda: launch(
             _empty24, (1,), *([x] * 12), *ints, F0=1, F1=2, F2=3, F3=4),
         "triton empty kernel, 12 tensors": lambda: _empty_ptrs12[(1,)](*([x] * 12)),
+        "qmoe launch, empty kernel, 12 tensors": lambda: launch(_empty_ptrs12, (1,), *([x] * 12)),
         "triton empty kernel, 1 tensor + 20 ints": lambda: _empty_ints20[(1,)](x, *range(20)),
         "... same, ints do_not_specialize": lambda: _empty_ints20_nospec[(1,)](x, *range(20)),
         "torch.empty": lambda: torch.empty(n, h, dtype=x.dtype, device=dev),

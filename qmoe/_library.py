@@ -86,11 +86,18 @@ class Op:
         return fn
 
     def register_autograd(self, backward: Callable, *, setup_context: Callable) -> None:
-        torch.library.register_autograd(
-            self.qualname, backward, setup_context=setup_context, lib=_LIB
-        )
-        if self._plain_schema:
-            self._function = _direct_function(self, backward, setup_context)
+        """The op's autograd formula, as ``torch.library.register_autograd`` takes it. For a
+        plain schema one ``autograd.Function`` (``_op_function``) serves both the
+        dispatcher's Autograd key (``_autograd_kernel``: compiled graphs, traced and
+        transformed calls) and ``Op``'s direct eager path; other schemas register through
+        ``torch.library``."""
+        if not self._plain_schema:
+            torch.library.register_autograd(
+                self.qualname, backward, setup_context=setup_context, lib=_LIB
+            )
+            return
+        self._function = _op_function(self, backward, setup_context)
+        _LIB.impl(self.name, _autograd_kernel(self), "Autograd", with_keyset=True)
 
     @property
     def default(self) -> torch._ops.OpOverload:
@@ -119,7 +126,7 @@ class Op:
             if self._function is not None:
                 return self.below_autograd(*args)
         elif route == NEEDS_GRAD and self._function is not None:
-            return self._function.apply(*args)
+            return self._function.apply(*args, None)
         elif route == SUBCLASS and self._plain_schema:
             # the arguments as __torch_dispatch__ gets them: trailing defaults left out
             n = len(args)
@@ -132,22 +139,54 @@ class Op:
         return self.packet(*given)
 
 
-def _direct_function(op: Op, backward: Callable, setup_context: Callable):
-    """``op``'s autograd formula as an ``autograd.Function`` over its kernel (``Op``'s
-    direct path): ``setup_context(ctx, inputs, output)`` after the kernel, ``backward(ctx,
-    *grads)`` returning one gradient per input, as ``torch.library.register_autograd``
-    runs them. One class per op, made at import."""
+_AFTER_AUTOGRAD = torch._C._after_autograd_keyset
+_any_requires_grad = torch._C._any_requires_grad
+
+
+def _op_function(op: Op, backward: Callable, setup_context: Callable):
+    """``op``'s autograd formula as an ``autograd.Function`` over its kernel:
+    ``setup_context(ctx, inputs, output)`` after the kernel, ``backward(ctx, *grads)``
+    returning one gradient per input, as ``torch.library.register_autograd`` runs them.
+    ``apply(*args, keyset)``: ``keyset`` None is ``Op``'s direct eager path (the kernel
+    through ``Op.below_autograd``); else the dispatcher's keys of the call, which
+    ``_autograd_kernel`` passes, and the kernel is the op redispatched below autograd
+    (where fake tensors, proxies and transforms are served). One class per op, made at
+    import."""
 
     def forward(ctx, *args):
-        out = op.below_autograd(*args)
+        keyset, args = args[-1], args[:-1]
+        if keyset is None:
+            out = op.below_autograd(*args)
+        else:
+            with torch._C._AutoDispatchBelowAutograd():
+                out = op.default.redispatch(keyset & _AFTER_AUTOGRAD, *args)
         setup_context(ctx=ctx, inputs=args, output=out)
         return out
 
     def run_backward(ctx, *grads):
-        return backward(ctx, *grads)
+        g = backward(ctx, *grads)  # and none for the keyset
+        return (*g, None) if isinstance(g, tuple) else (g, None)
 
-    return type(f"Direct_{op.name}", (torch.autograd.Function,),
+    return type(f"Function_{op.name}", (torch.autograd.Function,),
                 {"forward": staticmethod(forward), "backward": staticmethod(run_backward)})
+
+
+def _autograd_kernel(op: Op) -> Callable:
+    """The dispatcher's Autograd kernel of ``op`` (a plain schema): the op's
+    ``autograd.Function`` when grad mode is on and an input requires a gradient, else the
+    op redispatched below autograd. The dispatcher leaves out trailing arguments equal to
+    their defaults; ``setup_context`` gets them filled back in."""
+    overload, nargs, defaults = op.default, op._nargs, op._defaults
+
+    def kernel(keyset, *args):
+        if torch.is_grad_enabled() and _any_requires_grad(*args):
+            if len(args) < nargs:
+                args = (*args, *defaults[len(args) - nargs:])
+            return op._function.apply(*args, keyset)
+        with torch._C._AutoDispatchBelowAutograd():
+            return overload.redispatch(keyset & _AFTER_AUTOGRAD, *args)
+
+    return kernel
 
 
 DISPATCHER, NO_GRAD, NEEDS_GRAD, SUBCLASS = 0, 1, 2, 3

@@ -10,11 +10,14 @@ own cache by what decides Triton's choice of compiled kernel, computed cheaply:
 * the kernel, the current device and the launch options (``num_warps``, the kernel's
   compile-time constants, ``debug``, ``launch_pdl``, ...), all passed as keywords;
 * per positional argument the same facts Triton specializes on: a tensor's dtype and
-  whether its address is 16-byte aligned; an int's width and whether it equals 1 or is a
-  multiple of 16; a bool's value; for floats only their type; None as is.
+  whether its address is 16-byte aligned (and that it is on the GPU); an int's width and
+  whether it equals 1 or is a multiple of 16; a bool's value; for floats only their type;
+  None as is.
 
 Equal keys mean Triton would pick the same compiled kernel, so a hit calls that kernel's
-launcher directly (``CompiledKernel.run``, as ``JITFunction.run`` does at its end); a miss
+launcher directly (``CompiledKernel.run``, as ``JITFunction.run`` does at its end), with
+tensors passed as their addresses (the launcher would otherwise call ``data_ptr`` and ask
+the driver about each address again); a miss
 goes through ``kernel[grid]`` (compiling if needed) and keeps the ``CompiledKernel`` it
 returns. The cache holds compiled kernels and compile-time constants only, never data:
 it is immutable per key once written, like Triton's own cache. Launch hooks (a profiler
@@ -32,6 +35,9 @@ import torch
 import triton
 from triton import knobs
 
+# torch.cuda.current_device less its lazy-init check (a CUDA tensor is at hand), where
+# torch has CUDA
+_current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
 _CACHE: dict = {}  # key -> _Compiled, written once per key (compiled kernels, no data)
 
 
@@ -50,15 +56,30 @@ class _Compiled:
         self.get_stream = get_stream
 
 
+_TENSOR = torch.Tensor
+
+
 def _specs(args: tuple) -> tuple:
     """What Triton specializes each argument on, or finer (equal specs: the same compiled
-    kernel): a tensor's dtype and address modulo 16; an int's equality to 1, remainder
-    modulo 16 and width; floats by type alone (Triton does not specialize them); anything
-    else (None, bools) as is. One comprehension: this runs on every launch."""
-    return tuple([(a.dtype, a.data_ptr() & 15) if isinstance(a, torch.Tensor)
-                  else (a == 1, a & 15, -0x80000000 <= a < 0x80000000, a >= 1 << 63)
-                  if a.__class__ is int else float if a.__class__ is float else a
+    kernel): an int's remainder modulo 16 when it lies in ``(1, 2**31)`` (an i32, not 1),
+    else its equality to 1, remainder and width; None as is; a tensor's dtype, address
+    modulo 16 and whether it is on a GPU (a CPU tensor misses the cache and gets Triton's
+    own error); floats by type alone (Triton does not specialize them); anything else
+    (bools) as is. One comprehension, the common kinds tested first: this runs on every
+    launch."""
+    return tuple([(a & 15 if 1 < a < 0x80000000 else
+                   (a == 1, a & 15, -0x80000000 <= a < 0x80000000, a >= 1 << 63))
+                  if a.__class__ is int else a if a is None
+                  else (a.dtype, a.data_ptr() & 15, a.is_cuda) if isinstance(a, _TENSOR)
+                  else float if a.__class__ is float else a
                   for a in args])
+
+
+def _values(args: tuple) -> list:
+    """The arguments as the compiled launcher takes them, tensors as their addresses: an
+    int skips the launcher's ``data_ptr`` call and its driver check of the address
+    (``cuPointerGetAttribute``), which the cache key's ``is_cuda`` stands in for."""
+    return [a.data_ptr() if isinstance(a, _TENSOR) else a for a in args]
 
 
 def _hook(h):
@@ -76,7 +97,7 @@ def launch(kernel, grid: tuple, *args, **options) -> None:
             or not isinstance(first, torch.Tensor) or not first.is_cuda):
         kernel[grid](*args, **options)  # (a launch on CPU tensors: a harness's recording)
         return
-    device = torch.cuda.current_device()
+    device = _current_device()
     key = (kernel, device, tuple(options.items()), _specs(args))
     c = _CACHE.get(key)
     if c is None:
@@ -97,5 +118,5 @@ def launch(kernel, grid: tuple, *args, **options) -> None:
     enter, leave = _hook(knobs.runtime.launch_enter_hook), _hook(knobs.runtime.launch_exit_hook)
     # a launch hook (a profiler) gets the metadata Triton's own launch would give it
     meta = None if enter is None else c.kernel.launch_metadata(grid, stream, *args, *c.tail)
-    c.run(grid[0], g1, g2, stream, c.function, c.packed_metadata, meta, enter, leave, *args,
-          *c.tail)
+    c.run(grid[0], g1, g2, stream, c.function, c.packed_metadata, meta, enter, leave,
+          *_values(args), *c.tail)

@@ -9,6 +9,8 @@ public functions are timed, so any two versions compare:
 * ``gpu_us``: CUDA-graph replay of 20 calls / 20 (the kernels alone);
 * ``host_us``: wall time of 200 eager calls back to back / 200, synchronized at the end
   (host-bound calls show their host cost, GPU-bound ones their GPU time);
+* ``step_compiled_bf16``: the step with its forward under ``torch.compile`` (compiled once
+  per config; host time as above);
 * ``hops``: one eager call of ``moe_permute`` (bf16, FP8 blockwise input, ``quantize=``)
   traced with ``sys.setprofile``: the qmoe files it enters, in order, and the number of
   moves from one qmoe file to another (``files``: distinct files).
@@ -55,6 +57,11 @@ def _cases(cfg):
         out, pp, r = qmoe.moe_permute_with_probs(xg, pg, mask, num_out_tokens=n)
         qmoe.moe_unpermute(out, r, pg).float().sum().backward()
 
+    @torch.compile  # (default mode; the backward runs outside, as in training loops)
+    def step_loss(xg, pg):
+        out, _, r = qmoe.moe_permute_with_probs(xg, pg, mask, num_out_tokens=n)
+        return qmoe.moe_unpermute(out, r, pg).float().sum()
+
     return {
         "permute_bf16": lambda: qmoe.moe_permute_with_probs(x, probs, mask, num_out_tokens=n),
         "permute_mask_bf16": lambda: qmoe.moe_permute(x, mask, num_out_tokens=n),
@@ -69,6 +76,7 @@ def _cases(cfg):
         "unpermute_fp8": lambda: qmoe.moe_unpermute(qrows, rid, probs),
         "sort_chunks_bf16": lambda: qmoe.moe_sort_chunks_by_index(rows, sizes, order),
         "step_bf16": step,
+        "step_compiled_bf16": lambda: step_loss(xg, pg).backward(),
     }
 
 
