@@ -72,6 +72,7 @@ class Op:
             a.kwarg_only or a.alias_info is not None or isinstance(a.type, torch.ListType)
             for a in schema.arguments)
         self._function: type[torch.autograd.Function] | None = None
+        self._apply: Callable | None = None  # its apply, direct path (``_c_apply``)
 
     def register_fake(self, fn: Callable) -> Callable:
         torch.library.register_fake(self.qualname, fn, lib=_LIB)
@@ -97,6 +98,7 @@ class Op:
             )
             return
         self._function = _op_function(self, backward, setup_context)
+        self._apply = _c_apply(self._function)
         _LIB.impl(self.name, _autograd_kernel(self), "Autograd", with_keyset=True)
 
     @property
@@ -125,8 +127,9 @@ class Op:
                 return self.cuda(*args)
             if self._function is not None:
                 return self.below_autograd(*args)
-        elif route == NEEDS_GRAD and self._function is not None:
-            return self._function.apply(*args, None)
+        elif route == NEEDS_GRAD and self._apply is not None:
+            return self._apply(*[_unwrap_if_dead(a) if isinstance(a, torch.Tensor) else a
+                                 for a in args], None)
         elif route == SUBCLASS and self._plain_schema:
             # the arguments as __torch_dispatch__ gets them: trailing defaults left out
             n = len(args)
@@ -169,6 +172,17 @@ def _op_function(op: Op, backward: Callable, setup_context: Callable):
 
     return type(f"Function_{op.name}", (torch.autograd.Function,),
                 {"forward": staticmethod(forward), "backward": staticmethod(run_backward)})
+
+
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+
+
+def _c_apply(function: type[torch.autograd.Function]) -> Callable:
+    """``function.apply`` less its Python wrapper, for ``Op``'s direct path
+    (``NEEDS_GRAD``: no functorch transform active, which is all the wrapper checks for
+    besides a ``setup_context`` our functions do not define): autograd's C++ ``apply``
+    bound to the class. The caller unwraps dead functorch wrappers, as the wrapper does."""
+    return torch._C._FunctionBase.__dict__["apply"].__get__(None, function)
 
 
 def _autograd_kernel(op: Op) -> Callable:
