@@ -115,6 +115,17 @@ class Op:
         with torch._C._AutoDispatchBelowAutograd():
             return self._overload(*args)
 
+    def redispatch(self, keyset, *args):
+        """The op's kernel for ``args`` as the dispatcher's keys ``keyset`` of the call
+        continue below autograd: where the only key left is CUDA (plain CUDA tensors: a
+        compiled graph's calls), the CUDA kernel itself, skipping a round trip through
+        the dispatcher; else the dispatcher from there."""
+        below = keyset & _AFTER_AUTOGRAD
+        if self.cuda is not None and below.raw_repr() == _PLAIN_CUDA:
+            return self.cuda(*args)
+        with torch._C._AutoDispatchBelowAutograd():
+            return self._overload.redispatch(below, *args)
+
     def __call__(self, *args):
         given = args
         if len(args) < self._nargs and len(args) >= self._nargs - len(self._defaults):
@@ -143,6 +154,10 @@ class Op:
 
 
 _AFTER_AUTOGRAD = torch._C._after_autograd_keyset
+# A plain CUDA tensor's keys below autograd: CUDA and ADInplaceOrView (a fallthrough for
+# qmoe's ops, which neither view nor mutate their inputs)
+_PLAIN_CUDA = torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA).add(
+    torch._C.DispatchKey.ADInplaceOrView).raw_repr()
 _any_requires_grad = torch._C._any_requires_grad
 
 
@@ -153,16 +168,12 @@ def _op_function(op: Op, backward: Callable, setup_context: Callable):
     ``apply(*args, keyset)``: ``keyset`` None is ``Op``'s direct eager path (the kernel
     through ``Op.below_autograd``); else the dispatcher's keys of the call, which
     ``_autograd_kernel`` passes, and the kernel is the op redispatched below autograd
-    (where fake tensors, proxies and transforms are served). One class per op, made at
-    import."""
+    (``Op.redispatch``: where fake tensors, proxies and transforms are served). One class
+    per op, made at import."""
 
     def forward(ctx, *args):
         keyset, args = args[-1], args[:-1]
-        if keyset is None:
-            out = op.below_autograd(*args)
-        else:
-            with torch._C._AutoDispatchBelowAutograd():
-                out = op.default.redispatch(keyset & _AFTER_AUTOGRAD, *args)
+        out = op.below_autograd(*args) if keyset is None else op.redispatch(keyset, *args)
         setup_context(ctx=ctx, inputs=args, output=out)
         return out
 
@@ -188,17 +199,17 @@ def _c_apply(function: type[torch.autograd.Function]) -> Callable:
 def _autograd_kernel(op: Op) -> Callable:
     """The dispatcher's Autograd kernel of ``op`` (a plain schema): the op's
     ``autograd.Function`` when grad mode is on and an input requires a gradient, else the
-    op redispatched below autograd. The dispatcher leaves out trailing arguments equal to
+    op redispatched below autograd (``Op.redispatch``). The dispatcher leaves out trailing
+    arguments equal to
     their defaults; ``setup_context`` gets them filled back in."""
-    overload, nargs, defaults = op.default, op._nargs, op._defaults
+    nargs, defaults = op._nargs, op._defaults
 
     def kernel(keyset, *args):
         if torch.is_grad_enabled() and _any_requires_grad(*args):
             if len(args) < nargs:
                 args = (*args, *defaults[len(args) - nargs:])
             return op._function.apply(*args, keyset)
-        with torch._C._AutoDispatchBelowAutograd():
-            return overload.redispatch(keyset & _AFTER_AUTOGRAD, *args)
+        return op.redispatch(keyset, *args)
 
     return kernel
 

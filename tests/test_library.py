@@ -84,6 +84,39 @@ def test_direct_and_dispatched_calls_agree():
 
 
 @pytest.mark.skipif(not CUDA, reason="the direct call serves CUDA kernels")
+def test_dispatched_calls_reach_the_cuda_kernel_without_a_redispatch(monkeypatch):
+    """Calls through ``torch.ops`` (a compiled graph's) on plain CUDA tensors go from the
+    op's Autograd kernel straight to its CUDA kernel (``Op.redispatch``), with no
+    gradient needed and inside the op's ``autograd.Function`` with one; fake tensors
+    still redispatch (their fake kernel answers)."""
+    redispatched = []
+    real = torch._ops.OpOverload.redispatch
+
+    def spy(self, keyset, *args, **kwargs):
+        if self.namespace == "qmoe":
+            redispatched.append(self)
+        return real(self, keyset, *args, **kwargs)
+
+    monkeypatch.setattr(torch._ops.OpOverload, "redispatch", spy)
+    x, mask, probs = _args("cuda")
+    rid, fill = torch.ops.qmoe.make_row_id_map(mask, 70, False, 1)
+    rows, pp = torch.ops.qmoe.permute(x, rid, probs, 70, fill)
+    assert torch.equal(rows, _permute(x, rid, probs, 70, fill)[0])
+    xg = x.clone().requires_grad_()
+    out = torch.ops.qmoe.permute(xg, rid, probs, 70, fill)[0]
+    assert type(out.grad_fn).__name__ == "Function_permuteBackward"
+    out.sum().backward()
+    assert torch.equal(xg.grad, torch.ops.qmoe.unpermute(torch.ones_like(rows), rid, None))
+    assert redispatched == []
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        fx, frid, fp = (mode.from_tensor(t) for t in (x, rid, probs))
+        assert torch.ops.qmoe.permute(fx, frid, fp, 70, None)[0].shape == (70, x.shape[1])
+    assert redispatched, "fake tensors take the dispatcher below autograd"
+
+
+@pytest.mark.skipif(not CUDA, reason="the direct call serves CUDA kernels")
 def test_profiler_sees_the_op_name():
     x, mask, probs = _args("cuda")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
