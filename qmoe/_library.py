@@ -21,6 +21,8 @@ from collections.abc import Callable
 
 import torch
 
+from qmoe._triton import current_device
+
 _LIB = torch.library.Library("qmoe", "DEF")
 
 
@@ -293,7 +295,7 @@ def on_input_device(fn: Callable) -> Callable:
     def run(*args, **kwargs):
         for a in args:
             if isinstance(a, torch.Tensor):
-                if a.is_cuda and a.get_device() != torch.cuda.current_device():
+                if a.is_cuda and a.get_device() != current_device():
                     with torch.cuda.device(a.device):
                         return fn(*args, **kwargs)
                 break

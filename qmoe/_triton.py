@@ -35,9 +35,9 @@ import torch
 import triton
 from triton import knobs
 
-# torch.cuda.current_device less its lazy-init check (a CUDA tensor is at hand), where
-# torch has CUDA
-_current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
+#: torch.cuda.current_device less its lazy-init check, for callers holding a CUDA tensor
+#: (CUDA is initialized), where torch has CUDA
+current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
 _CACHE: dict = {}  # key -> _Compiled, written once per key (compiled kernels, no data)
 
 
@@ -97,7 +97,7 @@ def launch(kernel, grid: tuple, *args, **options) -> None:
             or not isinstance(first, torch.Tensor) or not first.is_cuda):
         kernel[grid](*args, **options)  # (a launch on CPU tensors: a harness's recording)
         return
-    device = _current_device()
+    device = current_device()
     key = (kernel, device, tuple(options.items()), _specs(args))
     c = _CACHE.get(key)
     if c is None:
