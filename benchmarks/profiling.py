@@ -288,6 +288,10 @@ def small_main(a) -> None:
     def step_compiled():
         step_loss(xg, pg).backward()
 
+    @torch.compile  # the torch part alone, compiled: torch.compile's own cost per call
+    def torch_part_loss(xg, pg):
+        return xg.float().sum() + pg.sum()
+
     ints = [0] * 8
     cases = {
         "triton empty kernel, 1 arg": lambda: _empty1[(1,)](x),
@@ -322,6 +326,7 @@ def small_main(a) -> None:
         # the torch floor of the step's shape: a cast, sums, the engine, two accumulations
         "step's torch part: (x.float().sum() + p.sum()).backward()": lambda: (
             xg.float().sum() + pg.sum()).backward(),
+        "the same, forward under torch.compile": lambda: torch_part_loss(xg, pg).backward(),
     }
     rows = []
     for name, fn in cases.items():
