@@ -26,6 +26,12 @@ from qmoe._triton import current_device
 _LIB = torch.library.Library("qmoe", "DEF")
 
 
+def _is_list(t) -> bool:
+    """Whether a schema type is a list or an optional list."""
+    return isinstance(t, torch.ListType) or (
+        isinstance(t, torch.OptionalType) and isinstance(t.getElementType(), torch.ListType))
+
+
 class Op:
     """A defined ``qmoe::`` op: ``fn`` is its default kernel (the torch path), which a CUDA
     kernel may call for the cases it leaves to torch.
@@ -68,11 +74,12 @@ class Op:
             if not a.has_default_value():
                 break
             self._defaults = (a.default_value, *self._defaults)
-        # The direct autograd path takes every argument positionally: no keyword-only,
-        # list or mutated arguments (then the dispatcher's autograd serves every call).
+        # The op's own autograd.Function takes every argument positionally and tensors
+        # only as such: no keyword-only, mutated or list (optional list included)
+        # arguments and no list returns (such ops keep torch.library's autograd).
         self._plain_schema = not any(
-            a.kwarg_only or a.alias_info is not None or isinstance(a.type, torch.ListType)
-            for a in schema.arguments)
+            a.kwarg_only or a.alias_info is not None or _is_list(a.type)
+            for a in schema.arguments) and not any(_is_list(r.type) for r in schema.returns)
         self._function: type[torch.autograd.Function] | None = None
         self._apply: Callable | None = None  # its apply, direct path (``_c_apply``)
 
@@ -156,10 +163,9 @@ class Op:
 
 
 _AFTER_AUTOGRAD = torch._C._after_autograd_keyset
-# A plain CUDA tensor's keys below autograd: CUDA and ADInplaceOrView (a fallthrough for
-# qmoe's ops, which neither view nor mutate their inputs)
-_PLAIN_CUDA = torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA).add(
-    torch._C.DispatchKey.ADInplaceOrView).raw_repr()
+# A plain CUDA tensor's keys below autograd as a kernel receives them: CUDA alone (the
+# dispatcher leaves out keys whose kernel is a fallthrough, ADInplaceOrView for qmoe's ops)
+_PLAIN_CUDA = torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA).raw_repr()
 _any_requires_grad = torch._C._any_requires_grad
 
 
@@ -180,8 +186,13 @@ def _op_function(op: Op, backward: Callable, setup_context: Callable):
         return out
 
     def run_backward(ctx, *grads):
-        g = backward(ctx, *grads)  # and none for the keyset
-        return (*g, None) if isinstance(g, tuple) else (g, None)
+        needs = ctx.needs_input_grad  # the formula sees one entry per op input, not the keyset
+        ctx.needs_input_grad = needs[:-1]
+        try:
+            g = backward(ctx, *grads)
+        finally:
+            ctx.needs_input_grad = needs
+        return (*g, None) if isinstance(g, tuple) else (g, None)  # (none for the keyset)
 
     return type(f"Function_{op.name}", (torch.autograd.Function,),
                 {"forward": staticmethod(forward), "backward": staticmethod(run_backward)})

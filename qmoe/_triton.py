@@ -65,13 +65,13 @@ def _specs(args: tuple) -> tuple:
     else its equality to 1, remainder and width; None as is; a tensor's dtype, address
     modulo 16 and whether it is on a GPU (a CPU tensor misses the cache and gets Triton's
     own error); floats by type alone (Triton does not specialize them); anything else
-    (bools) as is. One comprehension, the common kinds tested first: this runs on every
-    launch."""
+    (bools) by class and value (``True`` would equal the int key 1). One comprehension,
+    the common kinds tested first: this runs on every launch."""
     return tuple([(a & 15 if 1 < a < 0x80000000 else
                    (a == 1, a & 15, -0x80000000 <= a < 0x80000000, a >= 1 << 63))
                   if a.__class__ is int else a if a is None
                   else (a.dtype, a.data_ptr() & 15, a.is_cuda) if isinstance(a, _TENSOR)
-                  else float if a.__class__ is float else a
+                  else float if a.__class__ is float else (a.__class__, a)
                   for a in args])
 
 

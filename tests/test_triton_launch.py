@@ -68,6 +68,17 @@ def test_launch_matches_triton(n, step, offset, dtype):
             torch.testing.assert_close(got[::step][:n], ref, rtol=1e-6, atol=1e-6)
 
 
+def test_keys_tell_bools_from_ints():
+    """Triton compiles a bool argument as i1 and an int as i32 or i64: their keys differ
+    even where the values compare equal (True == 1), while ints of one specialization
+    (i32, same remainder modulo 16) share one."""
+    for b, i in ((True, 17), (True, 1), (False, 16), (False, 0)):
+        assert _triton._specs((b,)) != _triton._specs((i,))
+    assert _triton._specs((17,)) == _triton._specs((33,))
+    assert _triton._specs((16,)) != _triton._specs((2**31 + 16,))  # i32 / i64
+    assert _triton._specs((1,)) != _triton._specs((17,))  # == 1 is a constant
+
+
 @pytest.mark.skipif(DEV != "cuda", reason="the cache serves compiled kernels (CUDA)")
 def test_cache_keys_by_specialization_not_by_call():
     x = torch.randn(64, device="cuda")
