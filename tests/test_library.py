@@ -83,6 +83,38 @@ def test_direct_and_dispatched_calls_agree():
     assert xg.grad is not None
 
 
+@pytest.mark.parametrize("dev", ["cpu"] + (["cuda"] if CUDA else []))
+def test_plain_calls_carry_their_backend_key_alone_below_autograd(dev, monkeypatch):
+    """What ``Op.redispatch``'s CUDA shortcut relies on: a dispatched call on plain tensors
+    reaches the op's Autograd kernel with keys that, below autograd, are the backend's
+    alone (the dispatcher leaves out fallthrough keys such as ADInplaceOrView), with and
+    without a gradient needed; a fake tensor's carry more."""
+    from qmoe import _library
+
+    seen = []
+    real = _library.Op.redispatch
+
+    def spy(self, keyset, *args):
+        seen.append((keyset & _library._AFTER_AUTOGRAD).raw_repr())
+        return real(self, keyset, *args)
+
+    monkeypatch.setattr(_library.Op, "redispatch", spy)
+    x, mask, probs = _args(dev)
+    rid, fill = torch.ops.qmoe.make_row_id_map(mask, 70, False, 1)
+    torch.ops.qmoe.permute(x, rid, probs, 70, fill)
+    torch.ops.qmoe.permute(x.clone().requires_grad_(), rid, probs, 70, fill)
+    backend = torch._C.DispatchKey.CUDA if dev == "cuda" else torch._C.DispatchKey.CPU
+    assert len(seen) >= 2 and set(seen) == {torch._C.DispatchKeySet(backend).raw_repr()}
+    if dev == "cuda":
+        assert seen[0] == _library._PLAIN_CUDA
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    seen.clear()
+    with FakeTensorMode() as mode:
+        torch.ops.qmoe.permute(*(mode.from_tensor(t) for t in (x, rid, probs)), 70, None)
+    assert seen and torch._C.DispatchKeySet(backend).raw_repr() not in seen
+
+
 @pytest.mark.skipif(not CUDA, reason="the direct call serves CUDA kernels")
 def test_dispatched_calls_reach_the_cuda_kernel_without_a_redispatch(monkeypatch):
     """Calls through ``torch.ops`` (a compiled graph's) on plain CUDA tensors go from the
