@@ -136,6 +136,8 @@ class Op:
             return self._overload.redispatch(below, *args)
 
     def __call__(self, *args):
+        if torch.compiler.is_compiling():  # traced: the graph records the op (and Dynamo
+            return self.packet(*args)  # guards nothing of the routing below)
         given = args
         if len(args) < self._nargs and len(args) >= self._nargs - len(self._defaults):
             args = (*args, *self._defaults[len(args) - self._nargs:])
