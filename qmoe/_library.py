@@ -42,12 +42,11 @@ class Op:
     dispatcher's layers would only pass the call through:
 
     - no gradient needed: the CUDA kernel is called directly; on other devices an op with
-      an autograd formula runs its kernel below autograd (skipping ``torch.library``'s
-      Python autograd layer, which runs even when no input needs a gradient);
-    - a gradient needed: the op's formula (the same ``backward`` and ``setup_context``
-      registered with ``torch.library``) runs as an ``autograd.Function`` around the
-      kernel, without the dispatcher's two passes through Python.
-
+      an autograd formula runs its kernel below autograd (skipping the dispatcher's
+      Autograd kernel, which runs in Python even when no input needs a gradient);
+    - a gradient needed: the op's ``autograd.Function`` (``register_autograd``: the one the
+      dispatcher's Autograd key applies too) runs around the kernel, through autograd's
+      C++ ``apply``, without the dispatcher's two passes through Python;
     - no gradient needed and a tensor subclass among the arguments that declares
       ``_qmoe_eager_dispatch`` (qmoe's quantized tensors), for an op of a plain schema:
       that hook gets the op's overload and the arguments, as ``__torch_dispatch__`` would
@@ -55,7 +54,8 @@ class Op:
       after all: the subclass overrides the dispatch, or has no rule for the op).
 
     Traced, transformed, profiled calls, other subclasses and subclass calls that need a
-    gradient keep the dispatcher, whose autograd uses the same formula; most of a small
+    gradient keep the dispatcher, whose autograd applies the same Function; under Dynamo
+    the call goes straight to ``torch.ops`` (the graph records the op). Most of a small
     call's host time is these layers."""
 
     def __init__(self, name: str, fn: Callable) -> None:
