@@ -215,8 +215,7 @@ def _autograd_kernel(op: Op) -> Callable:
     """The dispatcher's Autograd kernel of ``op`` (a plain schema): the op's
     ``autograd.Function`` when grad mode is on and an input requires a gradient, else the
     op redispatched below autograd (``Op.redispatch``). The dispatcher leaves out trailing
-    arguments equal to
-    their defaults; ``setup_context`` gets them filled back in."""
+    arguments equal to their defaults; ``setup_context`` gets them filled back in."""
     nargs, defaults = op._nargs, op._defaults
 
     def kernel(keyset, *args):
