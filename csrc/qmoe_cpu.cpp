@@ -410,6 +410,24 @@ std::tuple<Tensor, Tensor> permute(const Tensor& inp, const Tensor& rid_in,
   return {out, permute_probs(*probs, rid, n)};
 }
 
+// Quantized rows and their block-scale rows moved by one map (the passthrough rule of
+// the FP8 permute): `(bits [N, H], scale rows [N, NB], permuted probs [N] or empty)`, as
+// two permutes, without a trip through Python between them.
+std::tuple<Tensor, Tensor, Tensor> permute_with_scales(const Tensor& qbits,
+                                                       const Tensor& scale_rows,
+                                                       const Tensor& rid_in,
+                                                       const c10::optional<Tensor>& probs,
+                                                       int64_t n,
+                                                       const c10::optional<Tensor>& fill) {
+  QMOE_CHECK(scale_rows.dim() == 2 && scale_rows.size(0) == qbits.size(0),
+             "permute_with_scales", "scale_rows must be [T, NB] with T = qbits' rows, got ",
+             scale_rows.sizes(), " for qbits ", qbits.sizes());
+  const Tensor rid = rid_in.contiguous();
+  auto [bits, pp] = permute(qbits, rid, probs, n, fill);
+  auto s_out = permute_rows(scale_rows, rid, n, c10::nullopt);
+  return {bits, s_out, pp};
+}
+
 // ------------------------------------------------------------------- unpermute
 // The hot loops, compiled for AVX2 and for the baseline ISA and picked at run time
 // (target_clones), so the build stays portable. Separate multiply and add (no FMA:
@@ -1058,6 +1076,7 @@ Tensor quantize_with_scale(const Tensor& x_in, const Tensor& scale, at::ScalarTy
 TORCH_LIBRARY_IMPL(qmoe, CPU, m) {
   m.impl("make_row_id_map", &make_row_id_map);
   m.impl("permute", &permute);
+  m.impl("permute_with_scales", &permute_with_scales);
   m.impl("unpermute", &unpermute);
   m.impl("map_check", &map_check);
   m.impl("permute_backward", &permute_backward);

@@ -97,6 +97,29 @@ def test_move_and_merge(dtype, t, h, e, k, extra, offset):
     assert ((gw.double() - ref).abs() <= (h + 1) * 2**-24 * mag + 1e-30).all()
 
 
+@pytest.mark.parametrize("t,h,e,k,extra", [(1, 128, 4, 2, 0), (63, 17, 7, 3, 5),
+                                           (100, 300, 16, 4, -30), (0, 128, 4, 2, 3)])
+@pytest.mark.parametrize("with_probs", [False, True])
+def test_permute_with_scales(t, h, e, k, extra, with_probs):
+    """Quantized rows and their scale rows moved by one map: as two torch-path permutes,
+    bit for bit (rows no route writes zero, routes past N dropped)."""
+    ids, mask = routing(t, e, k, "sentinels")
+    n = max(0, int(mask.sum()) + extra)
+    rid = _mask_rows(mask, n, 1)
+    bits = torch.randint(0, 256, (t, h), dtype=torch.uint8)
+    srows = torch.rand(t, (h + 127) // 128)
+    probs = torch.rand(t, e) if with_probs else None
+    got_bits, got_s, got_pp = ops.permute_with_scales(bits, srows, rid, probs, n)
+    assert_same_bits(got_bits, TI.permute_rows(bits, rid, n))
+    assert_same_bits(got_s, TI.permute_rows(srows, rid, n))
+    if with_probs:
+        assert torch.equal(got_pp, ops.permute(bits, rid, probs, n)[1])
+    else:
+        assert got_pp.numel() == 0 and got_pp.dtype == bits.dtype
+    with pytest.raises(ValueError, match="scale_rows must be"):
+        ops.permute_with_scales(bits, torch.rand(t + 1, 1), rid, probs, n)
+
+
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("recipe", ["pertensor", "blockwise", "mx"])
 def test_unpermute_fp8(recipe, fp8):
@@ -322,6 +345,11 @@ def test_outputs_fully_written():
     assert_same_bits(ops.permute(x, rid, None, n)[0], TI.permute_rows(x, rid, n))
     y = torch.randn(n, h)
     w = torch.rand(t, e)
+    bits, srows = torch.randint(0, 256, (t, h), dtype=torch.uint8), torch.rand(t, 2)
+    got_bits, got_s, got_pp = ops.permute_with_scales(bits, srows, rid, w, n)
+    assert_same_bits(got_bits, TI.permute_rows(bits, rid, n))
+    assert_same_bits(got_s, TI.permute_rows(srows, rid, n))
+    assert torch.equal(got_pp, ops.permute(bits, rid, w, n)[1])
     for weights in (None, w):
         assert_same_bits(ops.unpermute(y, rid, weights),
                          TI.unpermute_rows(y, rid, weights))
