@@ -840,6 +840,20 @@ std::tuple<Tensor, Tensor> sort_chunks(const Tensor& inp, const Tensor& sizes, c
   return {out, probs->index_select(0, srct)};
 }
 
+// The chunk sort of rows with side rows (the block scales of quantized rows) moved alike:
+// `(out [T, H], side_out [T, NS], permuted probs [T] or empty)`, as two sorts, without a
+// trip through Python between them (the passthrough rule of the FP8 chunk sort).
+std::tuple<Tensor, Tensor, Tensor> sort_chunks_rows(const Tensor& inp, const Tensor& side,
+                                                    const Tensor& sizes, const Tensor& index,
+                                                    const c10::optional<Tensor>& probs) {
+  QMOE_CHECK(side.dim() == 2 && side.size(0) == inp.size(0), "sort_chunks_rows",
+             "side must be [T, NS] with T = inp's rows, got ", side.sizes(), " for inp ",
+             inp.sizes());
+  auto [out, pp] = sort_chunks(inp, sizes, index, probs);
+  auto side_out = std::get<0>(sort_chunks(side, sizes, index, c10::nullopt));
+  return {out, side_out, pp};
+}
+
 // -------------------------------------------------------------------- quantize
 inline uint32_t float_bits(float f) {
   uint32_t u;
@@ -1083,6 +1097,7 @@ TORCH_LIBRARY_IMPL(qmoe, CPU, m) {
   m.impl("unpermute_backward", &unpermute_backward);
   m.impl("unpermute_fp8", &unpermute_fp8);
   m.impl("sort_chunks", &sort_chunks);
+  m.impl("sort_chunks_rows", &sort_chunks_rows);
   m.impl("quantize_blocks", &quantize_blocks);
   m.impl("quantize_with_scale", &quantize_with_scale);
 }

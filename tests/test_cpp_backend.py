@@ -237,6 +237,28 @@ def test_sort_chunks():
     assert_same_bits(pp, p[src])
 
 
+@pytest.mark.parametrize("t,h", [(50, 33), (1, 128), (0, 128)])
+@pytest.mark.parametrize("with_probs", [False, True])
+def test_sort_chunks_rows(t, h, with_probs):
+    """Rows and their side rows (quantized rows' scales) in one chunk sort: as the rows
+    gathered by each chunk's source rows, bit for bit (rows past the chunks stay)."""
+    bits = torch.randint(0, 256, (t, h), dtype=torch.uint8)
+    side = torch.rand(t, (h + 127) // 128)
+    sizes = torch.tensor([7, 0, 20, 13]) if t == 50 else torch.tensor([t, 0])
+    order = torch.tensor([2, 3, 0, 1]) if t == 50 else torch.tensor([1, 0])
+    p = torch.rand(t) if with_probs else None
+    out, side_out, pp = ops.sort_chunks_rows(bits, side, sizes, order, p)
+    src = chunk_source_rows(sizes, order, t)
+    assert_same_bits(out, bits[src])
+    assert_same_bits(side_out, side[src])
+    if with_probs:
+        assert_same_bits(pp, p[src])
+    else:
+        assert pp.numel() == 0 and pp.dtype == bits.dtype
+    with pytest.raises(ValueError, match="side must be"):
+        ops.sort_chunks_rows(bits, torch.rand(t + 1, 1), sizes, order, p)
+
+
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_fp8_conversion_of_every_bf16_and_random_fp32(fp8):
     """The C++ fp32 -> fp8 conversion (branch-free, vectorized) against torch's saturated
@@ -361,6 +383,9 @@ def test_outputs_fully_written():
     sizes, order = torch.tensor([5, 0, 9]), torch.tensor([2, 0, 1])  # 10 rows stay
     got = ops.sort_chunks(x, sizes, order, None)
     assert_same_bits(got[0], x[chunk_source_rows(sizes, order, t)])
+    got = ops.sort_chunks_rows(bits, srows, sizes, order, None)
+    assert_same_bits(got[0], bits[chunk_source_rows(sizes, order, t)])
+    assert_same_bits(got[1], srows[chunk_source_rows(sizes, order, t)])
 
 
 _POISON = {"MALLOC_PERTURB_": "165", "MALLOC_MMAP_THRESHOLD_": str(32 << 20)}
