@@ -796,15 +796,16 @@ std::tuple<Tensor, Tensor> permute_backward(const Tensor& grad, const Tensor& ri
 }
 
 // ----------------------------------------------------------------- sort_chunks
-std::tuple<Tensor, Tensor> sort_chunks(const Tensor& inp, const Tensor& sizes, const Tensor& index,
-                                       const c10::optional<Tensor>& probs) {
-  const char* op = "sort_chunks";
-  QMOE_CHECK(inp.dim() == 2, op, "inp must be [T, H], got ", inp.sizes());
+// src[i]: the input row that output row i of the chunk sort of T rows reads (chunks of
+// `sizes` taken in the order `index`; rows past the chunks stay in place), the arguments
+// checked as `sort_chunks` states them.
+std::vector<int64_t> chunk_sources(const char* op, const Tensor& sizes, const Tensor& index,
+                                   int64_t t) {
   QMOE_CHECK(sizes.dim() == 1 && index.dim() == 1 && sizes.numel() == index.numel(), op,
              "split_sizes and sorted_index must both be [C]");
   auto sz = sizes.to(at::kLong).contiguous();
   auto ix = index.to(at::kLong).contiguous();
-  const int64_t c = sz.numel(), t = inp.size(0);
+  const int64_t c = sz.numel();
   const int64_t* s = sz.data_ptr<int64_t>();
   const int64_t* k = ix.data_ptr<int64_t>();
   std::vector<int64_t> start(c, 0);
@@ -827,31 +828,51 @@ std::tuple<Tensor, Tensor> sort_chunks(const Tensor& inp, const Tensor& sizes, c
     for (int64_t q = 0; q < s[k[j]]; ++q) src[r++] = start[k[j]] + q;
   }
   for (; r < t; ++r) src[r] = r;  // rows past the chunks stay in place
+  return src;
+}
+
+// out[i] = inp[src[i]] for the T rows of `inp` [T, H].
+Tensor gather_rows(const Tensor& inp, const std::vector<int64_t>& src) {
   auto x = rows_view(inp);
   auto out = big_empty(x.sizes(), x.options());
   const int64_t rb = x.size(1) * x.element_size(), xs = x.stride(0) * x.element_size();
   const char* xp = static_cast<const char*>(x.data_ptr());
   char* o = static_cast<char*>(out.data_ptr());
-  at::parallel_for(0, t, 256, [&](int64_t b, int64_t e) {
+  at::parallel_for(0, x.size(0), 256, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) copy_row(o + i * rb, xp + src[i] * xs, rb, false);
   });
-  if (!probs.has_value()) return {out, at::empty({0}, inp.options())};
-  auto srct = at::from_blob(src.data(), {t}, at::kLong).clone();
-  return {out, probs->index_select(0, srct)};
+  return out;
+}
+
+// The permuted probs [T] of a chunk sort (empty without probs).
+Tensor gather_probs(const Tensor& inp, const c10::optional<Tensor>& probs,
+                    std::vector<int64_t>& src) {
+  if (!probs.has_value()) return at::empty({0}, inp.options());
+  auto srct = at::from_blob(src.data(), {static_cast<int64_t>(src.size())}, at::kLong).clone();
+  return probs->index_select(0, srct);
+}
+
+std::tuple<Tensor, Tensor> sort_chunks(const Tensor& inp, const Tensor& sizes, const Tensor& index,
+                                       const c10::optional<Tensor>& probs) {
+  const char* op = "sort_chunks";
+  QMOE_CHECK(inp.dim() == 2, op, "inp must be [T, H], got ", inp.sizes());
+  auto src = chunk_sources(op, sizes, index, inp.size(0));
+  return {gather_rows(inp, src), gather_probs(inp, probs, src)};
 }
 
 // The chunk sort of rows with side rows (the block scales of quantized rows) moved alike:
-// `(out [T, H], side_out [T, NS], permuted probs [T] or empty)`, as two sorts, without a
-// trip through Python between them (the passthrough rule of the FP8 chunk sort).
+// `(out [T, H], side_out [T, NS], permuted probs [T] or empty)`, the source rows worked
+// out once for both (the passthrough rule of the FP8 chunk sort).
 std::tuple<Tensor, Tensor, Tensor> sort_chunks_rows(const Tensor& inp, const Tensor& side,
                                                     const Tensor& sizes, const Tensor& index,
                                                     const c10::optional<Tensor>& probs) {
-  QMOE_CHECK(side.dim() == 2 && side.size(0) == inp.size(0), "sort_chunks_rows",
+  const char* op = "sort_chunks_rows";
+  QMOE_CHECK(inp.dim() == 2, op, "inp must be [T, H], got ", inp.sizes());
+  QMOE_CHECK(side.dim() == 2 && side.size(0) == inp.size(0), op,
              "side must be [T, NS] with T = inp's rows, got ", side.sizes(), " for inp ",
              inp.sizes());
-  auto [out, pp] = sort_chunks(inp, sizes, index, probs);
-  auto side_out = std::get<0>(sort_chunks(side, sizes, index, c10::nullopt));
-  return {out, side_out, pp};
+  auto src = chunk_sources(op, sizes, index, inp.size(0));
+  return {gather_rows(inp, src), gather_rows(side, src), gather_probs(inp, probs, src)};
 }
 
 // -------------------------------------------------------------------- quantize
