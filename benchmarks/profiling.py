@@ -29,7 +29,7 @@ from benchmarks.common import (
     needs_cuda,
     write_json,
 )
-from qmoe._triton import launch
+from qmoe._triton import _CACHE, _specs, _values, current_device, launch
 from qmoe.ops.kernels.permute import permute_rows_triton
 from qmoe.ops.kernels.permute_mask import permute_mask_triton
 from qmoe.ops.row_id_map import make_row_id_map
@@ -236,6 +236,31 @@ def launches(fn) -> list[str]:
 
 
 
+def _launch_parts(kernel, args: tuple) -> dict:
+    """The parts of one ``qmoe._triton.launch`` of ``kernel`` (no constexprs, grid (1,)),
+    each alone: the cache key, the addresses, the compiled launcher's call (Triton's
+    ``CompiledKernel.run``: its Python wrapper, then the C launch) and the C launch alone
+    where this Triton's wrapper order is known (3.6: scratch pointers then the arguments)."""
+    launch(kernel, (1,), *args)  # compiles and fills the cache entry
+    dev = current_device()
+    c = _CACHE[(kernel, dev, (), _specs(args))]
+    stream = c.get_stream(dev)
+    vals = _values(args)
+    run = c.run
+    parts = {
+        "launch's cache key alone (_specs)": lambda: _specs(args),
+        "launch's addresses alone (_values)": lambda: _values(args),
+        "compiled launcher alone (CompiledKernel.run)": lambda: run(
+            1, 1, 1, stream, c.function, c.packed_metadata, None, None, None, *vals),
+    }
+    if triton.__version__.startswith("3.6") and getattr(run, "global_scratch_size", 1) == 0:
+        c_launch, coop, pdl = run.launch, run.launch_cooperative_grid, run.launch_pdl
+        parts["C launch alone (3.6 order)"] = lambda: c_launch(
+            1, 1, 1, stream, c.function, coop, pdl, None, None, c.packed_metadata, None, None,
+            None, *vals)
+    return parts
+
+
 def small_args(p) -> None:
     p.add_argument("--config", default="small")
     p.add_argument("--calls", type=int, default=300)
@@ -293,6 +318,7 @@ def small_main(a) -> None:
         return xg.float().sum() + pg.sum()
 
     ints = [0] * 8
+    x1 = torch.zeros(1, device=dev)
     cases = {
         "triton empty kernel, 1 arg": lambda: _empty1[(1,)](x),
         "triton empty kernel, 24 args": lambda: _empty24[(1,)](
@@ -301,6 +327,9 @@ def small_main(a) -> None:
             _empty24, (1,), *([x] * 12), *ints, F0=1, F1=2, F2=3, F3=4),
         "triton empty kernel, 12 tensors": lambda: _empty_ptrs12[(1,)](*([x] * 12)),
         "qmoe launch, empty kernel, 12 tensors": lambda: launch(_empty_ptrs12, (1,), *([x] * 12)),
+        **{f"12 tensors: {k}": v for k, v in _launch_parts(_empty_ptrs12, (x,) * 12).items()},
+        "torch launch: x1.zero_() (one element)": x1.zero_,
+        "torch launch: torch.ops.aten.zero_.default(x1)": lambda: torch.ops.aten.zero_.default(x1),
         "triton empty kernel, 1 tensor + 20 ints": lambda: _empty_ints20[(1,)](x, *range(20)),
         "... same, ints do_not_specialize": lambda: _empty_ints20_nospec[(1,)](x, *range(20)),
         "torch.empty": lambda: torch.empty(n, h, dtype=x.dtype, device=dev),
@@ -333,7 +362,9 @@ def small_main(a) -> None:
         us = host_us(fn, a.calls)
         kernels = launches(fn)
         try:
-            g = graph_median_ms(fn, rep=50) if "empty" not in name[-12:] else None
+            # (the parts alone launch on the stream fetched outside the capture: no graph)
+            no_graph = "empty" in name[-12:] or "alone" in name
+            g = None if no_graph else graph_median_ms(fn, rep=50)
         except Exception as err:  # the step's backward does not capture
             g = None
             print(f"{name}: no graph ({type(err).__name__})", file=sys.stderr)
