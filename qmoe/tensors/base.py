@@ -223,6 +223,10 @@ class QuantizedTensor(torch.Tensor):
     orig_dtype: torch.dtype
 
     _op_table: ClassVar[dict[Any, OpImpl]] = {}
+    # The op tables of the class and its quantized bases, nearest first: each class's own
+    # dict, made once in __init_subclass__ and filled in place by ``implements``, so the
+    # chain never changes once the class exists (``_lookup`` walks it, not the MRO).
+    _op_tables: ClassVar[tuple[dict[Any, OpImpl], ...]] = (_op_table,)
     # Names set once by the constructor (read-only afterwards; see __setattr__), and the
     # names a pickled state may not give a different value.
     _fields: ClassVar[frozenset[str]] = frozenset(("qdata", "scale", "orig_dtype"))
@@ -231,6 +235,8 @@ class QuantizedTensor(torch.Tensor):
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         cls._op_table = {}
+        cls._op_tables = tuple(k.__dict__["_op_table"] for k in cls.__mro__
+                               if "_op_table" in k.__dict__)
         cls._fields = frozenset((*cls.tensor_data_names, *cls.tensor_attribute_names))
         cls._field_names = cls._fields | {"qdata", "scale", "block_size"}
 
@@ -465,10 +471,10 @@ class QuantizedTensor(torch.Tensor):
 
     @classmethod
     def _lookup(cls, func: Any) -> OpImpl | None:
-        for klass in cls.__mro__:
-            table = klass.__dict__.get("_op_table")
-            if table is not None and func in table:
-                return table[func]
+        for table in cls._op_tables:
+            impl = table.get(func)
+            if impl is not None:
+                return impl
         return None
 
     @classmethod

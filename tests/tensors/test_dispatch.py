@@ -110,3 +110,27 @@ def test_fallback_gradient_reaches_input():
     with pytest.warns(QuantizedFallbackWarning):
         (q * 3).sum().backward()
     assert torch.equal(x.grad, torch.full_like(x, 3.0))
+
+
+def test_op_tables_resolve_nearest_class_first_and_see_later_rules():
+    """A subclass's own rule wins over its base's, and a rule added to a base after the
+    subclass exists still reaches the subclass (the lookup walks each class's table)."""
+    from qmoe.tensors.base import QuantizedTensor
+
+    class Sub(qmoe.Float8BlockwiseTensor):
+        pass
+
+    op, other = torch.ops.aten.sgn.default, torch.ops.aten.sign.default
+    base_rule, sub_rule = (lambda *a: "base"), (lambda *a: "sub")
+    assert Sub._lookup(op) is None
+    try:
+        QuantizedTensor._op_table[op] = base_rule  # registered after Sub was made
+        QuantizedTensor._op_table[other] = base_rule
+        assert Sub._lookup(op) is base_rule
+        Sub.implements(op)(sub_rule)
+        assert Sub._lookup(op) is sub_rule and Sub._lookup(other) is base_rule
+        assert qmoe.Float8BlockwiseTensor._lookup(op) is base_rule
+    finally:
+        QuantizedTensor._op_table.pop(op, None)
+        QuantizedTensor._op_table.pop(other, None)
+    assert Sub._lookup(other) is None
