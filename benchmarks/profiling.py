@@ -240,7 +240,7 @@ def _launch_parts(kernel, args: tuple) -> dict:
     """The parts of one ``qmoe._triton.launch`` of ``kernel`` (no constexprs, grid (1,)),
     each alone: the cache key, the addresses, the compiled launcher's call (Triton's
     ``CompiledKernel.run``: its Python wrapper, then the C launch) and the C launch alone
-    where ``launch`` calls it (``qmoe._triton._c_launch``: Triton 3.6)."""
+    where this Triton's wrapper order is known (3.6: scratch pointers then the arguments)."""
     launch(kernel, (1,), *args)  # compiles and fills the cache entry
     dev = current_device()
     c = _CACHE[(kernel, dev, (), _specs(args))]
@@ -253,9 +253,11 @@ def _launch_parts(kernel, args: tuple) -> dict:
         "compiled launcher alone (CompiledKernel.run)": lambda: run(
             1, 1, 1, stream, c.function, c.packed_metadata, None, None, None, *vals),
     }
-    if c.c_launch is not None:  # what launch calls on Triton 3.6 (qmoe._triton._c_launch)
-        parts["C launch alone (Triton 3.6)"] = lambda: c.c_launch(
-            1, 1, 1, stream, c.function, *c.c_head, c.packed_metadata, None, None, None, *vals)
+    if triton.__version__.startswith("3.6") and getattr(run, "global_scratch_size", 1) == 0:
+        c_launch, coop, pdl = run.launch, run.launch_cooperative_grid, run.launch_pdl
+        parts["C launch alone (3.6 order)"] = lambda: c_launch(
+            1, 1, 1, stream, c.function, coop, pdl, None, None, c.packed_metadata, None, None,
+            None, *vals)
     return parts
 
 

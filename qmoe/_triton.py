@@ -15,14 +15,14 @@ own cache by what decides Triton's choice of compiled kernel, computed cheaply:
   None as is.
 
 Equal keys mean Triton would pick the same compiled kernel, so a hit calls that kernel's
-launcher directly (``CompiledKernel.run``, as ``JITFunction.run`` does at its end; on
-Triton 3.6 the C launch under it, ``_c_launch``), with tensors passed as their addresses
-(the launcher would otherwise call ``data_ptr`` and ask the driver about each address
-again); a miss goes through ``kernel[grid]`` (compiling if needed) and keeps the
-``CompiledKernel`` it returns. The cache holds compiled kernels and compile-time
-constants only, never data: it is immutable per key once written, like Triton's own
-cache. Launch hooks (a profiler such as proton) are called as Triton calls them; the
-interpreter (``TRITON_INTERPRET=1``) takes Triton's path.
+launcher directly (``CompiledKernel.run``, as ``JITFunction.run`` does at its end), with
+tensors passed as their addresses (the launcher would otherwise call ``data_ptr`` and ask
+the driver about each address again); a miss
+goes through ``kernel[grid]`` (compiling if needed) and keeps the ``CompiledKernel`` it
+returns. The cache holds compiled kernels and compile-time constants only, never data:
+it is immutable per key once written, like Triton's own cache. Launch hooks (a profiler
+such as proton) are called as Triton calls them; the interpreter (``TRITON_INTERPRET=1``)
+takes Triton's path.
 
 Call shape: runtime arguments positionally, in the kernel's parameter order, then its
 ``tl.constexpr`` parameters and the launch options as keywords. The cache serves kernels
@@ -43,12 +43,9 @@ _CACHE: dict = {}  # key -> _Compiled, written once per key (compiled kernels, n
 
 class _Compiled:
     """A compiled kernel's launcher and what each launch passes besides the runtime
-    arguments (``tail``: the constexpr parameters' values, in parameter order).
-    ``c_launch``: the C launch under the launcher's Python ``__call__`` and the arguments
-    that ``__call__`` puts before the launch's own (``_c_launch``), or None."""
+    arguments (``tail``: the constexpr parameters' values, in parameter order)."""
 
-    __slots__ = ("kernel", "run", "function", "packed_metadata", "tail", "get_stream",
-                 "c_launch", "c_head")
+    __slots__ = ("kernel", "run", "function", "packed_metadata", "tail", "get_stream")
 
     def __init__(self, kernel, tail: tuple, get_stream) -> None:
         self.kernel = kernel
@@ -57,23 +54,6 @@ class _Compiled:
         self.packed_metadata = kernel.packed_metadata
         self.tail = tail
         self.get_stream = get_stream
-        self.c_launch, self.c_head = _c_launch(kernel.run)
-
-
-def _c_launch(run) -> tuple:
-    """``(launch, head)`` where a launch may call the C launch of ``run`` (a compiled
-    kernel's launcher) as ``launch(gx, gy, gz, stream, function, *head, *rest)`` in place of
-    ``run(gx, gy, gz, stream, function, *rest)``, else ``(None, ())``. That holds for Triton
-    3.6's ``CudaLauncher`` of a kernel with no global or profile scratch (qmoe's kernels):
-    its ``__call__`` allocates nothing then and passes the cooperative-grid and PDL flags and
-    two null scratch pointers before the rest. Other Triton versions order the C launch's
-    arguments differently: they keep ``run``."""
-    if (triton.__version__.startswith("3.6.") and type(run).__name__ == "CudaLauncher"
-            and getattr(run, "global_scratch_size", 1) == 0
-            and getattr(run, "profile_scratch_size", 1) == 0
-            and callable(getattr(run, "launch", None))):
-        return run.launch, (run.launch_cooperative_grid, run.launch_pdl, None, None)
-    return None, ()
 
 
 _TENSOR = torch.Tensor
@@ -138,9 +118,5 @@ def launch(kernel, grid: tuple, *args, **options) -> None:
     enter, leave = _hook(knobs.runtime.launch_enter_hook), _hook(knobs.runtime.launch_exit_hook)
     # a launch hook (a profiler) gets the metadata Triton's own launch would give it
     meta = None if enter is None else c.kernel.launch_metadata(grid, stream, *args, *c.tail)
-    if c.c_launch is not None:
-        c.c_launch(grid[0], g1, g2, stream, c.function, *c.c_head, c.packed_metadata, meta,
-                   enter, leave, *_values(args), *c.tail)
-        return
     c.run(grid[0], g1, g2, stream, c.function, c.packed_metadata, meta, enter, leave,
           *_values(args), *c.tail)
