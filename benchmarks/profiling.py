@@ -253,11 +253,13 @@ def _launch_parts(kernel, args: tuple) -> dict:
         "compiled launcher alone (CompiledKernel.run)": lambda: run(
             1, 1, 1, stream, c.function, c.packed_metadata, None, None, None, *vals),
     }
-    if triton.__version__.startswith("3.6") and getattr(run, "global_scratch_size", 1) == 0:
-        c_launch, coop, pdl = run.launch, run.launch_cooperative_grid, run.launch_pdl
-        parts["C launch alone (3.6 order)"] = lambda: c_launch(
-            1, 1, 1, stream, c.function, coop, pdl, None, None, c.packed_metadata, None, None,
-            None, *vals)
+    # Triton 3.6's CudaLauncher.__call__, for a kernel with no scratch, calls its C launch
+    # with the cooperative-grid and PDL flags and two null scratch pointers before the rest
+    if triton.__version__.startswith("3.6.") and run.global_scratch_size == 0 == (
+            run.profile_scratch_size):
+        c_launch, head = run.launch, (run.launch_cooperative_grid, run.launch_pdl, None, None)
+        parts["C launch alone (Triton 3.6's, under CompiledKernel.run)"] = lambda: c_launch(
+            1, 1, 1, stream, c.function, *head, c.packed_metadata, None, None, None, *vals)
     return parts
 
 
