@@ -73,7 +73,8 @@ def test_direct_and_dispatched_calls_agree():
     args = (x, mask, probs, None, 70, 4)
     direct = _permute_mask(*args)
     dispatched = torch.ops.qmoe.permute_mask(*args)
-    for a, b in zip(direct, dispatched):
+    assert direct[2] is None and dispatched[2] is None  # no side rows
+    for a, b in zip(direct[:2] + direct[3:], dispatched[:2] + dispatched[3:]):
         assert torch.equal(a, b)
     # with a gradient needed the dispatcher's autograd runs: outputs carry a grad_fn
     xg = x.clone().requires_grad_()
@@ -246,7 +247,8 @@ def test_quantized_calls_reach_their_rule_as_through_the_dispatcher(dev, monkeyp
         assert torch.equal(direct_out[0].qdata.view(torch.uint8),
                            dispatched[0].qdata.view(torch.uint8))
         assert torch.equal(direct_out[0].raw_scale, dispatched[0].raw_scale)
-        for a, b in zip(direct_out[1:], dispatched[1:]):
+        assert direct_out[2] is None and dispatched[2] is None  # no side rows out
+        for a, b in zip(direct_out[1::2], dispatched[1::2]):  # the probs and the map
             assert torch.equal(a, b)
         rid = direct_out[3]
         merged = direct(torch.ops.qmoe.unpermute.default)(direct_out[0], rid, probs)

@@ -136,8 +136,8 @@ def fused_permute_rule(rows: RowLayout, func, args, kwargs):
                         "pass side=None with a quantized inp")
     bits, srows, scale = rows.split(x)
     out, pp, s_out, rid = direct(func)(bits, rmap, probs, srows, n, last)
-    empty = torch.empty(0, dtype=x.dtype, device=x.device)  # no side rows out (as for plain)
-    return rows.join(x, out, s_out if srows is not None else scale), pp, empty, rid
+    # no side rows out, as for plain rows (the scale rows travel inside the quantized out)
+    return rows.join(x, out, s_out if srows is not None else scale), pp, None, rid
 
 
 def sort_chunks_rule(rows: RowLayout, func, args, kwargs):

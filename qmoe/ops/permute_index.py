@@ -33,14 +33,15 @@ from qmoe.ops.tuning import fused_index_wins, small_index_map
 
 @define(
     "permute_index(Tensor inp, Tensor routing_map, Tensor? probs, Tensor? side, "
-    "SymInt num_out_tokens, SymInt num_experts) -> (Tensor, Tensor, Tensor, Tensor)"
+    "SymInt num_out_tokens, SymInt num_experts) -> (Tensor, Tensor?, Tensor?, Tensor)"
 )
 def _permute_index(inp, routing_map, probs, side, num_out_tokens, num_experts):
-    """``(out [N, H], permuted_probs [N] or empty, side_out [N, NS] or empty, row_id_map
-    [T, 2K+1] int32)``: ``inp [T, H]`` grouped by the index map ``[T, K]`` (ids in
-    ``[-1, num_experts)``), with ``probs [T, K]`` and side rows ``[T, NS]`` (block scales
-    of quantized rows) moved alike. CPU: the ids checked (a host sync), then
-    ``make_row_id_map`` and the rows moved; CUDA: ``_permute_index_cuda``, no host sync."""
+    """``(out [N, H], permuted_probs [N] or None, side_out [N, NS] or None, row_id_map
+    [T, 2K+1] int32)`` (None without probs, without side rows): ``inp [T, H]`` grouped
+    by the index map ``[T, K]`` (ids in ``[-1, num_experts)``), with ``probs [T, K]`` and
+    side rows ``[T, NS]`` (block scales of quantized rows) moved alike. CPU: the ids
+    checked (a host sync), then ``make_row_id_map`` and the rows moved; CUDA:
+    ``_permute_index_cuda``, no host sync."""
     C.check_range("qmoe::permute_index", routing_map, -1, num_experts,
                   f"routing_map ids must be in [-1, num_experts={num_experts}); check "
                   "the router's output")  # the kernel's assert, as a ValueError

@@ -24,13 +24,13 @@ ops = torch.ops.qmoe
 
 @define(
     "permute_mask(Tensor inp, Tensor routing_map, Tensor? probs, Tensor? side, "
-    "SymInt num_out_tokens, int align_size) -> (Tensor, Tensor, Tensor, Tensor)"
+    "SymInt num_out_tokens, int align_size) -> (Tensor, Tensor?, Tensor?, Tensor)"
 )
 def _permute_mask(inp, routing_map, probs, side, num_out_tokens, align_size):
-    """``(out [N, H], permuted_probs [N] or empty, side_out [N, NS] or empty, row_id_map
-    [T, 2E+1] int32)``: ``inp [T, H]`` grouped by the ``[T, E]`` mask, each expert's group
-    padded to ``align_size``, with ``probs [T, E]`` and side rows ``[T, NS]`` (block scales
-    of quantized rows) moved alike: ``make_row_id_map`` then the rows moved (CPU; the
+    """``(out [N, H], permuted_probs [N] or None, side_out [N, NS] or None, row_id_map
+    [T, 2E+1] int32)`` (None without probs, without side rows): ``inp [T, H]`` grouped
+    by the ``[T, E]`` mask, each expert's group padded to ``align_size``, with ``probs
+    [T, E]`` and side rows ``[T, NS]`` (block scales of quantized rows) moved alike: ``make_row_id_map`` then the rows moved (CPU; the
     fused kernel on CUDA). No host sync."""
     return map_then_permute(inp, routing_map, probs, side, num_out_tokens, False, align_size)
 
@@ -50,19 +50,19 @@ def map_then_permute(inp, routing_map, probs, side, n, is_index, align_size, map
                                                               align_size)
     if side is None:  # (the ops are defined above this module: their Op through direct)
         out, pp = direct(ops.permute.default)(inp, rid, probs, n, fill)
-        return out, pp, inp.new_empty(0), rid
+        return out, pp if probs is not None else None, None, rid
     out, so, pp = direct(ops.permute_with_scales.default)(inp, side, rid, probs, n, fill)
-    return out, pp, so, rid
+    return out, pp if probs is not None else None, so, rid
 
 
 def fused_permute_fake(inp, routing_map, probs, side, num_out_tokens, *_):
-    """Fake outputs of a fused permute op: rows ``[N, H]``, probs ``[N]`` or empty, side
-    rows ``[N, NS]`` or empty, the map ``[T, 2S+1]`` int32 (S: routing_map's columns)."""
+    """Fake outputs of a fused permute op: rows ``[N, H]``, probs ``[N]`` or None, side
+    rows ``[N, NS]`` or None, the map ``[T, 2S+1]`` int32 (S: routing_map's columns)."""
     n = num_out_tokens
     t, s = routing_map.shape
     return (inp.new_empty((n, inp.shape[1])),
-            probs.new_empty((n,)) if probs is not None else inp.new_empty(0),
-            side.new_empty((n, side.shape[1])) if side is not None else inp.new_empty(0),
+            probs.new_empty((n,)) if probs is not None else None,
+            side.new_empty((n, side.shape[1])) if side is not None else None,
             routing_map.new_empty((t, 2 * s + 1), dtype=torch.int32))
 
 

@@ -75,7 +75,8 @@ def test_fused_mask_and_quantize_kernels(kdevice):
     p = torch.rand(t, e, device=kdevice)
     want = permute_mask_triton(x, mask, n, 1, p)
     got = permute_mask_triton(x, mask, n, 1, _col_strided(p))
-    for a, b in zip(got, want):
+    assert got[2] is None and want[2] is None  # no side rows
+    for a, b in zip(got[:2] + got[3:], want[:2] + want[3:]):
         assert_same_bits(a, b)
     r = qmoe.MXFP8()
     mode = (r.block_size, r.fp8_dtype, recipe_scale_mode(r), None)

@@ -120,7 +120,7 @@ def test_quantized_inp_passes_intact(name):
     probs = torch.rand(t, e)
     for n, align in ((int(mask.sum()) - 3, 1), (200, 16)):
         got, pp, so, rid = ops.permute_mask(q, mask, probs, None, n, align)
-        assert type(got) is type(q) and so.numel() == 0
+        assert type(got) is type(q) and so is None  # (the scale rows travel inside got)
         want, pp_w, rid_w, _, _ = qmoe.moe_permute_and_pad_with_probs(
             q, probs, mask, None, align, num_out_tokens=n)
         assert_same_quantized(got, want)

@@ -144,7 +144,7 @@ def permute_index_triton(
     *,
     out: torch.Tensor | None = None,
 ):
-    """``(out [N, H], permuted_probs [N] or empty, side_out [N, NS] or empty, row_id_map
+    """``(out [N, H], permuted_probs [N] or None, side_out [N, NS] or None, row_id_map
     [T, 2K+1] int32)`` of ``x [T, H]`` by the index map ``ids [T, K]`` (expert ids in
     ``[-1, num_experts)``, ``-1`` not routed; an id outside fails a device assert, the
     public ops' id check on this path), with ``probs [T, K]`` and side rows ``[T, NS]`` moved
@@ -169,8 +169,8 @@ def permute_index_triton(
     z = tail_programs(n)
     has_p, has_s = probs is not None, side is not None
     launch(permute_index_kernel, (t + z, cdiv(max(h, 1), bh)),
-        x, out, ids, before, total, rid, probs, pp if has_p else None, side,
-        so if has_s else None, t, n, h, k, e, ns, z, x.stride(0), ids.stride(0),
+        x, out, ids, before, total, rid, probs, pp, side, so, t, n, h, k, e, ns, z,
+        x.stride(0), ids.stride(0),
         probs.stride(0) if has_p else None, side.stride(0) if has_s else None,
         HAS_P=has_p, HAS_SIDE=has_s, BLOCK_T=block_t, BLOCK_K=next_pow2(k),
         BLOCK_E=next_pow2(e), KB=kb, BLOCK_H=bh, BLOCK_S=next_pow2(max(ns, 1)), PDL=pdl,
