@@ -194,7 +194,8 @@ def _map_in_scatter(inp, map_type: str) -> bool:
 
 def _checked_permute(fn, inp, probs, routing_map, map_type, num_out_tokens, num_experts, quantize,
              quantize_scale, align_size=1):
-    """``(output [N, H], permuted_probs [N] (empty or None without probs), row_id_map)`` of the public functions."""
+    """``(output [N, H], permuted_probs [N] (empty or None without probs), row_id_map)``
+    of the public functions."""
     if (map_type == "index" and isinstance(routing_map, torch.Tensor)
             and routing_map.dtype == torch.uint8):
         # ids 0..255 (no -1 sentinel fits); TransformerEngine casts uint8 index maps too

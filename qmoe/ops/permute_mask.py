@@ -30,8 +30,9 @@ def _permute_mask(inp, routing_map, probs, side, num_out_tokens, align_size):
     """``(out [N, H], permuted_probs [N] or None, side_out [N, NS] or None, row_id_map
     [T, 2E+1] int32)`` (None without probs, without side rows): ``inp [T, H]`` grouped
     by the ``[T, E]`` mask, each expert's group padded to ``align_size``, with ``probs
-    [T, E]`` and side rows ``[T, NS]`` (block scales of quantized rows) moved alike: ``make_row_id_map`` then the rows moved (CPU; the
-    fused kernel on CUDA). No host sync."""
+    [T, E]`` and side rows ``[T, NS]`` (block scales of quantized rows) moved alike:
+    ``make_row_id_map`` then the rows moved (CPU; the fused kernel on CUDA). No host
+    sync."""
     return map_then_permute(inp, routing_map, probs, side, num_out_tokens, False, align_size)
 
 
