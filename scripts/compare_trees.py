@@ -16,6 +16,8 @@ public functions are timed, so any two versions compare:
   moves from one qmoe file to another (``files``: distinct files).
 
 Configs (T, H, E, K) as ``benchmarks/common.py``'s: dsv3, qwen3, gptoss, small.
+``--cases permute_bf16,step_bf16`` times those cases alone (a short device call; the
+compiled step compiles for a minute), ``--rounds`` sets the alternating rounds (3).
 """
 
 from __future__ import annotations
@@ -136,7 +138,7 @@ def _hops(fn, root):
     return {"path": names, "hops": max(len(names) - 1, 0), "files": len(set(names))}
 
 
-def worker(cfgs):
+def worker(cfgs, picked=None):
     import torch
 
     import qmoe
@@ -145,6 +147,8 @@ def worker(cfgs):
     out = {}
     for cfg in cfgs:
         for name, fn in _cases(cfg).items():
+            if picked and name not in picked:
+                continue
             gpu, host = _time(fn)
             out[f"{cfg}/{name}"] = {"gpu_us": gpu, "host_us": host}
     small = _cases("small")
@@ -159,15 +163,17 @@ def main():
     ap.add_argument("trees", nargs="+", help="name=path of a source tree holding qmoe/")
     ap.add_argument("--out", default=None)
     ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--cases", default="", help="comma-separated case names (default: all)")
+    ap.add_argument("--rounds", type=int, default=ROUNDS)
     args = ap.parse_args()
     runs = {}
-    for _ in range(ROUNDS):
+    for _ in range(args.rounds):
         for spec in args.trees:
             name, path = spec.split("=", 1)
             env = dict(os.environ, PYTHONPATH=os.path.abspath(path))
             env.pop("TRITON_INTERPRET", None)
             p = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker",
-                                args.configs], env=env, capture_output=True, text=True,
+                                args.configs, args.cases], env=env, capture_output=True, text=True,
                                cwd=os.path.abspath(path))
             if p.returncode:
                 print(p.stderr[-4000:], file=sys.stderr)
@@ -206,6 +212,7 @@ def main():
 
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "--worker":
-        worker(sys.argv[2].split(","))
+        worker(sys.argv[2].split(","), set(filter(None, sys.argv[3].split(",")))
+               if len(sys.argv) > 3 else None)
     else:
         main()
