@@ -139,3 +139,26 @@ def test_autograd_reaches_inp_and_probs(device):
         return out, pp
 
     torch.autograd.gradcheck(f, (x, probs))
+
+
+@pytest.mark.compile
+def test_absent_outputs_are_none_under_compile_with_gradients(device):
+    """Without probs and side rows the op returns None in their places, eager and in a
+    ``fullgraph`` compiled graph whose inputs need gradients (the fake gives None alike,
+    and AOT autograd carries it), with the rows' gradient equal to eager's."""
+    t, h, e = 19, 24, 5
+    ids, mask = routing(t, e, 2, "no_route_tokens", device)
+    n = int(mask.sum()) + 3  # three rows no route fills
+
+    def f(x):
+        out, pp, so, rid = ops.permute_mask(x, mask, None, None, n, 1)
+        assert pp is None and so is None
+        return out * 2, rid
+
+    x = torch.randn(t, h, device=device, requires_grad=True)
+    want, rid_w = f(x)
+    (gw,) = torch.autograd.grad(want.square().sum(), x)
+    got, rid = torch.compile(f, fullgraph=True)(x)
+    (g,) = torch.autograd.grad(got.square().sum(), x)
+    assert torch.equal(got, want) and torch.equal(rid, rid_w)
+    torch.testing.assert_close(g, gw, rtol=0, atol=0)
