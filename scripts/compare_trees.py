@@ -31,6 +31,10 @@ import sys
 CONFIGS = {"dsv3": (4096, 7168, 256, 8), "qwen3": (16384, 4096, 128, 8),
            "gptoss": (8192, 2880, 128, 4), "small": (256, 4096, 64, 8)}
 ROUNDS = 3
+#: the cases ``_cases`` times, in order (``--cases`` picks among them)
+CASES = ("permute_bf16", "permute_mask_bf16", "permute_index_bf16", "permute_index_e_bf16",
+         "quantize_blockwise", "permute_fp8", "permute_quantize", "unpermute_bf16",
+         "unpermute_fp8", "sort_chunks_bf16", "step_bf16", "step_compiled_bf16")
 
 
 def _cases(cfg):
@@ -64,7 +68,7 @@ def _cases(cfg):
         out, _, r = qmoe.moe_permute_with_probs(xg, pg, mask, num_out_tokens=n)
         return qmoe.moe_unpermute(out, r, pg).float().sum()
 
-    return {
+    cases = {
         "permute_bf16": lambda: qmoe.moe_permute_with_probs(x, probs, mask, num_out_tokens=n),
         "permute_mask_bf16": lambda: qmoe.moe_permute(x, mask, num_out_tokens=n),
         "permute_index_bf16": lambda: qmoe.moe_permute(x, ids, n, map_type="index"),
@@ -80,6 +84,8 @@ def _cases(cfg):
         "step_bf16": step,
         "step_compiled_bf16": lambda: step_loss(xg, pg).backward(),
     }
+    assert tuple(cases) == CASES, "CASES must name _cases' cases in order"
+    return cases
 
 
 def _time(fn):
@@ -166,6 +172,12 @@ def main():
     ap.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     ap.add_argument("--rounds", type=int, default=ROUNDS)
     args = ap.parse_args()
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds must be >= 1, got {args.rounds}")
+    args.cases = ",".join(c.strip() for c in args.cases.split(",") if c.strip())
+    unknown = [c for c in args.cases.split(",") if c and c not in CASES]
+    if unknown:
+        raise SystemExit(f"--cases: unknown {unknown}; the cases are {', '.join(CASES)}")
     runs = {}
     for _ in range(args.rounds):
         for spec in args.trees:

@@ -47,6 +47,7 @@ def test_kernel_matches_sorting_path(kdevice, poisoned_empty, t, h, e, k, kind):
         out = torch.full((n, h), float("nan"), device=kdevice)
         got = permute_index_triton(x, i_, n, e, p, sd, PermuteIndexTiling(block_t=bt), out=out)
         for g, w in zip(got, _want(x, ids, n, p, sd)):
+            assert (g is None) == (w is None)  # None: not given
             if w is not None:
                 assert_same_bits(g.cpu(), w)
 
@@ -60,6 +61,7 @@ def test_kernel_repeated_experts_in_a_token(kdevice):
     n = int((ids >= 0).sum())
     got = permute_index_triton(x, ids, n, 3, probs, tiling=PermuteIndexTiling(block_t=2))
     for g, w in zip(got, _want(x, ids, n, probs, None)):
+        assert (g is None) == (w is None)  # None: not given
         if w is not None:
             assert_same_bits(g.cpu(), w)
 
@@ -72,6 +74,7 @@ def test_kernel_narrow_id_dtypes(kdevice, dtype, e):
     n = int((ids >= 0).sum()) - 3
     got = permute_index_triton(x, ids.to(dtype), n, e, tiling=PermuteIndexTiling(block_t=4))
     for g, w in zip(got, _want(x, ids, n, None, None)):
+        assert (g is None) == (w is None)  # None: not given
         if w is not None:
             assert_same_bits(g.cpu(), w)
 

@@ -60,6 +60,7 @@ def test_kernel_matches_two_step_path(kdevice, poisoned_empty, t, h, e, k, kind,
                                  reg_routes=(None, True, False)[i], one_launch=one_launch)
         got = permute_mask_triton(x, m, n, align, p, sd, tiling, out=out)
         for g, w in zip(got, _want(x, mask, n, align, p, sd)):
+            assert (g is None) == (w is None)  # None: not given
             if w is not None:
                 assert_same_bits(g.cpu(), w)
 
