@@ -239,8 +239,8 @@ def launches(fn) -> list[str]:
 def _launch_parts(kernel, args: tuple) -> dict:
     """The parts of one ``qmoe._triton.launch`` of ``kernel`` (no constexprs, grid (1,)),
     each alone: the cache key, the addresses, the compiled launcher's call (Triton's
-    ``CompiledKernel.run``: its Python wrapper, then the C launch) and the C launch alone
-    where this Triton's wrapper order is known (3.6: scratch pointers then the arguments)."""
+    ``CompiledKernel.run``: its Python wrapper, then the C launch) and, on Triton 3.6, the
+    C launch alone (its arguments as that version's wrapper passes them, below)."""
     launch(kernel, (1,), *args)  # compiles and fills the cache entry
     dev = current_device()
     c = _CACHE[(kernel, dev, (), _specs(args))]
