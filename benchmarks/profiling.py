@@ -29,7 +29,8 @@ from benchmarks.common import (
     needs_cuda,
     write_json,
 )
-from qmoe._triton import _CACHE, _specs, _values, current_device, launch
+from qmoe import _triton
+from qmoe._triton import _CACHE, _specs, _values, current_device, launch, launch_python
 from qmoe.ops.kernels.permute import permute_rows_triton
 from qmoe.ops.kernels.permute_mask import permute_mask_triton
 from qmoe.ops.row_id_map import make_row_id_map
@@ -238,9 +239,10 @@ def launches(fn) -> list[str]:
 
 def _launch_parts(kernel, args: tuple) -> dict:
     """The parts of one ``qmoe._triton.launch`` of ``kernel`` (no constexprs, grid (1,)),
-    each alone: the cache key, the addresses, the compiled launcher's call (Triton's
-    ``CompiledKernel.run``: its Python wrapper, then the C launch) and, on Triton 3.6, the
-    C launch alone (its arguments as that version's wrapper passes them, below)."""
+    each alone: its Python path whole (the C launch off), that path's cache key, the
+    addresses, the compiled launcher's call (Triton's ``CompiledKernel.run``: its Python
+    wrapper, then Triton's C launch), on Triton 3.6 Triton's C launch alone (its arguments
+    as that version's wrapper passes them, below), and qmoe's C launch's key alone."""
     launch(kernel, (1,), *args)  # compiles and fills the cache entry
     dev = current_device()
     c = _CACHE[(kernel, dev, (), _specs(args))]
@@ -248,6 +250,7 @@ def _launch_parts(kernel, args: tuple) -> dict:
     vals = _values(args)
     run = c.run
     parts = {
+        "launch's Python path (the C launch off)": lambda: launch_python(kernel, (1,), args, {}),
         "launch's cache key alone (_specs)": lambda: _specs(args),
         "launch's addresses alone (_values)": lambda: _values(args),
         "compiled launcher alone (CompiledKernel.run)": lambda: run(
@@ -260,6 +263,9 @@ def _launch_parts(kernel, args: tuple) -> dict:
         c_launch, head = run.launch, (run.launch_cooperative_grid, run.launch_pdl, None, None)
         parts["C launch alone (Triton 3.6's, under CompiledKernel.run)"] = lambda: c_launch(
             1, 1, 1, stream, c.function, *head, c.packed_metadata, None, None, None, *vals)
+    if _triton.fast_status()["loaded"]:
+        key = _triton.build_fast().key
+        parts["the C launch's key alone"] = lambda: key(kernel, dev, args, {}, True)
     return parts
 
 
@@ -280,7 +286,8 @@ def small_main(a) -> None:
 
     For each case: host microseconds per call with calls issued back to back (the best of
     five rounds of ``--calls / 5`` calls, one synchronize after each: the CPU-bound rate an
-    eager training step sees), the kernels one call launches (torch.profiler), and the GPU
+    eager training step sees), the same with ``qmoe._triton``'s C launch off (where it
+    loaded), the kernels one call launches (torch.profiler), and the GPU
     time from a CUDA-graph replay. Then a cProfile of each of ``--cprofile-cases`` (top
     functions by own time). Baselines: empty Triton kernels by argument count and kind
     (through Triton's launch and through ``qmoe._triton.launch``), ``torch.empty``, the
@@ -360,8 +367,17 @@ def small_main(a) -> None:
         "the same, forward under torch.compile": lambda: torch_part_loss(xg, pg).backward(),
     }
     rows = []
+    fast = _triton.fast_status()
+    print(f"the C launch: {fast}", file=sys.stderr)
     for name, fn in cases.items():
         us = host_us(fn, a.calls)
+        us_py = None
+        if fast["loaded"]:  # the same case with the C launch off (launch's Python path)
+            _triton.use_fast(False)
+            try:
+                us_py = host_us(fn, a.calls)
+            finally:
+                _triton.use_fast(True)
         kernels = launches(fn)
         try:
             # (the parts alone launch on the stream fetched outside the capture: no graph)
@@ -370,9 +386,12 @@ def small_main(a) -> None:
         except Exception as err:  # the step's backward does not capture
             g = None
             print(f"{name}: no graph ({type(err).__name__})", file=sys.stderr)
-        rows.append({"case": name, "host_us": round(us, 1), "launches": len(kernels),
+        rows.append({"case": name, "host_us": round(us, 1),
+                     "host_us_python_launch": None if us_py is None else round(us_py, 1),
+                     "launches": len(kernels),
                      "kernels": kernels, "graph_us": None if g is None else round(g * 1e3, 1)})
-        print(f"{name:>34}: host {us:7.1f} us/call, {len(kernels)} launches, graph "
+        py = "" if us_py is None else f" ({us_py:.1f} with the C launch off)"
+        print(f"{name:>34}: host {us:7.1f} us/call{py}, {len(kernels)} launches, graph "
               f"{'-' if g is None else f'{g * 1e3:.1f}'} us", file=sys.stderr)
     profiles = {}
     for name in a.cprofile_cases.split(";"):
@@ -388,7 +407,8 @@ def small_main(a) -> None:
         print(s.getvalue(), file=sys.stderr)
         profiles[name] = s.getvalue()
     write_json(a.out, {"bench": "profile_small", "env": env_info(), "config": a.config,
-                       "calls": a.calls, "results": rows, "cprofile": profiles})
+                       "calls": a.calls, "c_launch": fast, "results": rows,
+                       "cprofile": profiles})
 
 
 # --- profile ncu -----------------------------------------------------------------------

@@ -27,9 +27,32 @@ takes Triton's path.
 Call shape: runtime arguments positionally, in the kernel's parameter order, then its
 ``tl.constexpr`` parameters and the launch options as keywords. The cache serves kernels
 whose first argument is a CUDA tensor (all of qmoe's); anything else takes Triton's path.
+
+**The C launch** (``_fastlaunch.c``). After the first CUDA launch of the process, the hit
+path above runs in C: the key (the same facts, read through the arguments' attributes),
+the lookup and the kernel's parameters are made there and the compiled kernel goes
+straight to ``cuLaunchKernelEx`` on the current stream, skipping the Python key, the
+addresses and Triton's launcher (``python -m benchmarks profile small`` times both). It is
+a plain CPython extension built with the system C compiler against Triton's bundled
+``cuda.h`` at that first launch, as Triton builds its own launcher, and kept by source
+hash in ``$XDG_CACHE_HOME/qmoe`` (else ``~/.cache/qmoe``, else the temp directory). Each
+compiled kernel gets a native entry (its function, launch facts and one parameter type a
+runtime argument, from the compiled signature); a kernel the C launch does not serve
+(global or profile scratch, clusters, a parameter type it does not pack), a call with a
+Triton launch hook set, or a machine where the build fails takes the Python path.
+``use_fast(False)`` turns the C launch off (benchmarks, tests); ``fast_status()`` says
+whether it is on and why not.
 """
 
 from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
 
 import torch
 import triton
@@ -39,6 +62,11 @@ from triton import knobs
 #: (CUDA is initialized), where torch has CUDA
 current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
 _CACHE: dict = {}  # key -> _Compiled, written once per key (compiled kernels, no data)
+#: the C launch's key -> native entry tuple, or None for a kernel it does not serve;
+#: written once per key (compiled kernels' launch facts, no data)
+_NATIVE: dict = {}
+_fast = None  # the C launch function once loaded; None before the first CUDA launch or off
+_fast_state = {"on": True, "loaded": False, "error": None}  # set once, by _load_fast
 
 
 class _Compiled:
@@ -92,6 +120,19 @@ def launch(kernel, grid: tuple, *args, **options) -> None:
     """``kernel[grid](*args, **options)`` through the compiled-kernel cache (module doc).
     ``grid``: a tuple of 1 to 3 ints; ``args``: the kernel's runtime parameters in order;
     ``options``: its constexpr parameters and launch options, as keywords."""
+    fast = _fast
+    if fast is None:
+        launch_python(kernel, grid, args, options)
+        return
+    served = fast(_NATIVE, kernel, grid, args, options, current_device())
+    if not served:  # False: no entry for this key yet (give it one); None: not served
+        launch_python(kernel, grid, args, options, served is False)
+
+
+def launch_python(kernel, grid: tuple, args: tuple, options: dict, register=False) -> None:
+    """``launch``'s Python path (the C launch off, not built, or not serving this call):
+    the cache key, then the compiled launcher; ``register``: give the C launch its entry
+    for this call's key."""
     first = args[0] if args else None
     if (not isinstance(kernel, triton.runtime.JITFunction)  # the interpreter
             or not isinstance(first, torch.Tensor) or not first.is_cuda):
@@ -110,8 +151,12 @@ def launch(kernel, grid: tuple, *args, **options) -> None:
         tail = tuple(options[n] if n in options else defaults[n] for n in names)
         from triton.runtime.driver import driver
 
-        _CACHE[key] = _Compiled(compiled, tail, driver.active.get_current_stream)
+        _CACHE[key] = c = _Compiled(compiled, tail, driver.active.get_current_stream)
+        _load_fast()
+        _register_fast(c, kernel, device, args, options)
         return
+    if register:
+        _register_fast(c, kernel, device, args, options)
     g1 = grid[1] if len(grid) > 1 else 1
     g2 = grid[2] if len(grid) > 2 else 1
     stream = c.get_stream(device)
@@ -120,3 +165,138 @@ def launch(kernel, grid: tuple, *args, **options) -> None:
     meta = None if enter is None else c.kernel.launch_metadata(grid, stream, *args, *c.tail)
     c.run(grid[0], g1, g2, stream, c.function, c.packed_metadata, meta, enter, leave,
           *_values(args), *c.tail)
+
+
+# ------------------------------------------------------------------------- the C launch
+
+#: Triton's scalar parameter types -> the C launch's codes (``_fastlaunch.c``)
+_TYPE_CODES = {"i1": "i", "i32": "i", "i64": "l", "u1": "I", "u32": "I", "u64": "L",
+               "i8": "b", "i16": "h", "u8": "B", "u16": "H", "fp32": "f", "f32": "f",
+               "fp64": "d"}
+
+
+def native_entry(compiled, kernel, nargs: int):
+    """The C launch's entry for ``compiled`` (a ``CompiledKernel`` of ``kernel`` for
+    ``nargs`` runtime arguments): ``(function, num_warps, num_ctas, shared bytes, PDL,
+    cooperative, parameter codes)``, or None where the C launch does not serve it (scratch
+    memory, clusters, oversized shared memory, a parameter type it does not pack, metadata
+    it does not know)."""
+    md = compiled.metadata
+    src = getattr(compiled, "src", None)
+    sig = getattr(src, "signature", None)
+    if (not isinstance(sig, dict) or getattr(md, "global_scratch_size", 0)
+            or getattr(md, "profile_scratch_size", 0) or getattr(md, "num_ctas", 1) != 1
+            or not isinstance(getattr(md, "shared", None), int) or md.shared > 228 * 1024):
+        return None
+    consts = getattr(src, "constants", {}) or {}
+    codes = []
+    for i, name in enumerate(kernel.arg_names[:nargs]):
+        t = sig.get(name, sig.get(i))
+        if t == "constexpr" or name in consts or (i,) in consts or i in consts:
+            codes.append("-")
+        elif isinstance(t, str) and t.startswith("*"):
+            codes.append("p")
+        elif t in _TYPE_CODES:
+            codes.append(_TYPE_CODES[t])
+        else:
+            return None
+    return (compiled.function, md.num_warps, 1, md.shared,
+            bool(getattr(md, "launch_pdl", False)),
+            bool(getattr(md, "launch_cooperative_grid", False)), "".join(codes).encode())
+
+
+def _register_fast(c: _Compiled, kernel, device: int, args: tuple, options: dict) -> None:
+    """Give the C launch its entry for this call's key (once per key)."""
+    mod = _fast_state.get("module")
+    if not _fast_state["loaded"] or not _fast_state["on"]:
+        return
+    k = mod.key(kernel, device, args, options, True)
+    if k is not None and k not in _NATIVE:
+        _NATIVE[k] = native_entry(c.kernel, kernel, len(args))
+
+
+def use_fast(on: bool) -> None:
+    """Turn the C launch on (built at the next CUDA launch if it is not yet) or off."""
+    global _fast
+    _fast_state["on"] = bool(on)
+    _fast = _fast_state["module"].launch if on and _fast_state["loaded"] else None
+
+
+def fast_status() -> dict:
+    """``{"on": bool, "loaded": bool, "error": str or None}``: whether the C launch serves
+    launches, whether it was built and loaded, and why not where it failed."""
+    return {k: _fast_state[k] for k in ("on", "loaded", "error")}
+
+
+def _cache_dir() -> str:
+    """Where the built C launch is kept: ``$XDG_CACHE_HOME/qmoe``, else ``~/.cache/qmoe``,
+    else a per-user directory under the temp directory (the first one writable)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    for d in (os.path.join(base, "qmoe"),
+              os.path.join(tempfile.gettempdir(), f"qmoe-{os.getuid()}")):
+        try:
+            os.makedirs(d, exist_ok=True)
+        except OSError:
+            continue
+        if os.access(d, os.W_OK):
+            return d
+    raise OSError("no writable cache directory for the C launch")
+
+
+def build_fast():
+    """``qmoe._fastlaunch``, built (or found by source hash) and imported once per process,
+    initialized with torch's tensor type, its current-stream call and Triton's runtime
+    knobs (the launch hooks). Raises where there is no C compiler, no ``cuda.h`` or the
+    build fails."""
+    mod = _fast_state.get("module")
+    if mod is not None:
+        return mod
+    import importlib.util
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    src = os.path.join(here, "_fastlaunch.c")
+    cuda_inc = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "include")
+    py_inc = sysconfig.get_paths()["include"]
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    with open(src, "rb") as f:
+        code = f.read()
+    cuda_h = os.path.join(cuda_inc, "cuda.h")
+    if not os.path.exists(cuda_h):
+        raise OSError(f"no cuda.h at {cuda_h} (Triton's NVIDIA backend)")
+    with open(cuda_h, "rb") as f:
+        tag = hashlib.sha256(code + f.read() + suffix.encode() + sys.version.encode())
+    path = os.path.join(_cache_dir(), f"_fastlaunch_{tag.hexdigest()[:16]}{suffix}")
+    if not os.path.exists(path):
+        cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+        if cc is None:
+            raise OSError("no C compiler (cc, gcc or $CC) to build the C launch")
+        tmp = f"{path}.{os.getpid()}.tmp"
+        cmd = [cc, "-O2", "-shared", "-fPIC", "-o", tmp, src, f"-I{py_inc}", f"-I{cuda_inc}",
+               "-ldl"]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise OSError(f"building the C launch failed: {' '.join(cmd)}\n{r.stderr[-2000:]}")
+        os.replace(tmp, path)  # atomic: a process beside this one sees all of it or none
+    spec = importlib.util.spec_from_file_location("qmoe._fastlaunch", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+        lambda d: torch.cuda.current_stream(d).cuda_stream)  # (as Triton's driver takes it)
+    mod.init(torch.Tensor, stream, knobs.runtime)
+    _fast_state["module"] = mod
+    return mod
+
+
+def _load_fast() -> None:
+    """Build and load the C launch once per process (at the first CUDA launch, while it is
+    on); a failure is kept in ``fast_status()`` and launches stay on the Python path."""
+    global _fast
+    if _fast_state["loaded"] or _fast_state["error"] is not None or not _fast_state["on"]:
+        return
+    try:
+        mod = build_fast()
+    except Exception as e:  # (no compiler, no cuda.h, a failed build: the Python path)
+        _fast_state["error"] = f"{type(e).__name__}: {e}"
+        return
+    _fast_state["loaded"] = True
+    _fast = mod.launch

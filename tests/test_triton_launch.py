@@ -117,3 +117,143 @@ def test_launch_hooks_are_called_from_the_cache():
     finally:
         knobs.runtime.launch_enter_hook.remove(hook)
     assert seen == ["_axpy_kernel"]
+
+
+# ------------------------------------------------------------------------- the C launch
+
+def _fast_module():
+    try:
+        return _triton.build_fast()
+    except OSError as e:  # no C compiler here: the Python path serves
+        pytest.skip(f"the C launch does not build here: {e}")
+
+
+_POOL = [None, True, False, 0, 1, 2, 16, 17, 33, -1, -16, 2**31 - 1, 2**31, 2**31 + 16,
+         -(2**31) - 1, 2**63, 2**63 + 1, 2**64 - 16, 0.5, 1.0]
+
+
+def _triton_spec(a):
+    """What Triton specializes an argument on: a tensor's dtype and 16-byte alignment; an
+    int's type (i32, i64, u64), equality to 1 (a constant) and divisibility by 16; a bool's
+    and a float's type; None."""
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, a.data_ptr() % 16 == 0)
+    if isinstance(a, bool) or a is None or isinstance(a, float):
+        return type(a)
+    kind = "i32" if -(2**31) <= a < 2**31 else "i64" if a < 2**63 else "u64"
+    return (kind, a == 1, a % 16 == 0)
+
+
+def test_c_key_is_at_least_as_fine_as_triton_specialization():
+    """Two argument lists with one C key have one specialization in Triton's sense
+    (``_triton_spec``): the C launch never serves a call with another specialization's
+    kernel."""
+    m = _fast_module()
+    base = torch.zeros(64, dtype=torch.float32)
+    tensors = [base, base[1:], base[4:], base[8:], base.to(torch.bfloat16),
+               base.to(torch.bfloat16)[8:]]
+    pool = _POOL + tensors
+    opts = {"BLOCK": 64, "HAS_Y": True}
+    keys = {}
+    for a in pool:
+        for b in pool:
+            args = (base, a, b)
+            k = m.key("kernel", 0, args, opts, False)
+            assert k is not None
+            spec = tuple(map(_triton_spec, args))
+            assert keys.setdefault(k, spec) == spec, (args, k)
+    # and it does tell apart what Triton does: options, device, kernel, kinds, positions
+    one = m.key("kernel", 0, (base, 1, None), opts, False)
+    assert one != m.key("kernel", 0, (base, 17, None), opts, False)
+    assert one != m.key("kernel", 0, (base, True, None), opts, False)
+    assert one != m.key("kernel", 1, (base, 1, None), opts, False)
+    assert one != m.key("other", 0, (base, 1, None), opts, False)
+    assert one != m.key("kernel", 0, (base, 1, None), {**opts, "BLOCK": 128}, False)
+    assert one != m.key("kernel", 0, (base, None, 1), opts, False)
+    assert m.key("kernel", 0, (base, 2**64), opts, False) is None  # past 64 bits: Python
+    assert m.key("kernel", 0, (base, "s"), opts, False) is None
+    assert m.key("kernel", 0, (base,), opts, True) is None  # a CPU first argument
+
+
+def test_c_launch_packs_each_parameter_as_triton_does():
+    """One 8-byte slot per kernel parameter, little-endian, the value in its low bytes:
+    addresses, i32/i64/u64 ints, fp32 floats, bools as i32; constants ('-') skipped."""
+    m = _fast_module()
+    x = torch.zeros(4)
+    slots = m.pack_params(b"pilLfi-bh", (x, -3, 2**40 + 5, 2**63 + 7, 1.5, True, None, -2, 300))
+    le = lambda v, n: v.to_bytes(n, "little", signed=v < 0).ljust(8, b"\0")
+    import struct
+
+    assert slots == [le(x.data_ptr(), 8), le(-3, 4), le(2**40 + 5, 8), le(2**63 + 7, 8),
+                     struct.pack("<f", 1.5).ljust(8, b"\0"), le(1, 4), le(-2, 1), le(300, 2)]
+    with pytest.raises(ValueError, match="one type per argument"):
+        m.pack_params(b"pi", (x,))
+
+
+class _Meta:
+    num_warps, num_ctas, shared = 4, 1, 1024
+    global_scratch_size = profile_scratch_size = 0
+    launch_pdl, launch_cooperative_grid = True, False
+
+
+class _Src:
+    def __init__(self, signature, constants=None):
+        self.signature, self.constants = signature, constants or {}
+
+
+class _CompiledStub:
+    function = 1234
+
+    def __init__(self, signature, constants=None, **meta):
+        self.src = _Src(signature, constants)
+        self.metadata = _Meta()
+        for k, v in meta.items():
+            setattr(self.metadata, k, v)
+
+
+def test_native_entry_from_the_compiled_signature():
+    sig = {"x_ptr": "*bf16", "y_ptr": "constexpr", "out_ptr": "*fp32", "n": "i32",
+           "step": "i64", "a": "fp32", "flag": "i1", "HAS_Y": "constexpr", "BLOCK": "constexpr"}
+    e = _triton.native_entry(_CompiledStub(sig), _axpy_kernel, 7)
+    assert e == (1234, 4, 1, 1024, True, False, b"p-pilfi")
+    # an int Triton made a constant (== 1) is not a parameter either
+    e = _triton.native_entry(_CompiledStub({**sig, "step": "i32"}, {(4,): 1}), _axpy_kernel, 7)
+    assert e[6] == b"p-pi-fi"
+    for bad in (dict(global_scratch_size=8), dict(profile_scratch_size=8), dict(num_ctas=2),
+                dict(shared=300 * 1024)):
+        assert _triton.native_entry(_CompiledStub(sig, **bad), _axpy_kernel, 7) is None
+    assert _triton.native_entry(_CompiledStub({**sig, "a": "bf16"}), _axpy_kernel, 7) is None
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="the C launch serves CUDA launches")
+@pytest.mark.parametrize("n", [1, 17, 1025])
+def test_c_launch_matches_the_python_path(n):
+    """With the C launch on, the same calls give what Triton's own launch gives, and the C
+    launch is what served them (its table has the kernel's entries)."""
+    _triton.use_fast(True)
+    x = torch.randn(n + 1, device="cuda")[1:]
+    y = torch.randn(n, device="cuda")
+    for args in ((x, None), (x, y), (x[: n // 2 + 1], None)):
+        m = args[0].numel()
+        for flag in (False, True):
+            want = _run(_direct, args[0], args[1], m, 3, 0.5, flag, 64)
+            _run(launch, args[0], args[1], m, 3, 0.5, flag, 64)  # compiled, entry made
+            got = _run(launch, args[0], args[1], m, 3, 0.5, flag, 64)  # the C launch
+            assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))
+    status = _triton.fast_status()
+    assert status["loaded"], status
+    served = [e for k, e in _triton._NATIVE.items() if k[0] is _axpy_kernel]
+    assert served and all(e is not None for e in served)
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="the C launch serves CUDA launches")
+def test_c_launch_off_and_on():
+    x = torch.randn(40, device="cuda")
+    want = _run(_direct, x, None, 40, 1, 2.0, True, 64)
+    try:
+        _triton.use_fast(False)
+        assert _triton._fast is None
+        assert torch.equal(_run(launch, x, None, 40, 1, 2.0, True, 64), want)
+    finally:
+        _triton.use_fast(True)
+    assert torch.equal(_run(launch, x, None, 40, 1, 2.0, True, 64), want)
