@@ -1,7 +1,12 @@
 """``qmoe._triton.launch``: a cached direct launch gives what ``kernel[grid](...)`` gives,
 for every specialization Triton distinguishes (ints equal to 1 or multiples of 16,
 misaligned tensor views, dtypes, None), and keys the cache by specialization, not by call.
-On CPU the interpreter takes Triton's own path (covered by every kernel test there)."""
+On CPU the interpreter takes Triton's own path (covered by every kernel test there). The C
+launch (``_fastlaunch.c``): its key is at least as fine as Triton's specialization, its
+parameters are packed as Triton packs them, its entries come from the compiled signature
+(all checked on CPU), and on CUDA it gives what Triton's launch gives."""
+
+import os
 
 import pytest
 import torch
@@ -257,3 +262,33 @@ def test_c_launch_off_and_on():
     finally:
         _triton.use_fast(True)
     assert torch.equal(_run(launch, x, None, 40, 1, 2.0, True, 64), want)
+
+
+def test_a_failed_build_leaves_the_python_path(monkeypatch):
+    """Where the C launch does not build (no compiler, no cuda.h), the failure is kept in
+    ``fast_status()`` and launches stay on the Python path."""
+    monkeypatch.setattr(_triton, "_fast_state",
+                        {"on": True, "loaded": False, "error": None})
+    monkeypatch.setattr(_triton, "_fast", None)
+
+    def no_compiler():
+        raise OSError("no C compiler (cc, gcc or $CC) to build the C launch")
+
+    monkeypatch.setattr(_triton, "build_fast", no_compiler)
+    _triton._load_fast()
+    assert _triton.fast_status() == {
+        "on": True, "loaded": False,
+        "error": "OSError: no C compiler (cc, gcc or $CC) to build the C launch"}
+    assert _triton._fast is None
+    _triton.use_fast(True)  # on, but nothing loaded: still the Python path
+    assert _triton._fast is None
+
+
+def test_cache_dir_falls_back_where_the_first_is_not_writable(monkeypatch, tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    (ro / "qmoe").write_text("a file where the directory would be")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(ro))
+    monkeypatch.setattr(_triton.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    d = _triton._cache_dir()
+    assert d.startswith(str(tmp_path / "tmp")) and os.access(d, os.W_OK)
