@@ -245,7 +245,7 @@ def _launch_parts(kernel, args: tuple) -> dict:
     as that version's wrapper passes them, below), and qmoe's C launch's key alone."""
     launch(kernel, (1,), *args)  # compiles and fills the cache entry
     dev = current_device()
-    c = _CACHE[(kernel, dev, (), _specs(args))]
+    c = _CACHE[_triton.python_key(kernel, dev, args, {})]
     stream = c.get_stream(dev)
     vals = _values(args)
     run = c.run

@@ -35,11 +35,14 @@ straight to ``cuLaunchKernelEx`` on the current stream, skipping the Python key,
 addresses and Triton's launcher (``python -m benchmarks profile small`` times both). It is
 a plain CPython extension built with the system C compiler against Triton's bundled
 ``cuda.h`` at that first launch, as Triton builds its own launcher, and kept by source
-hash in ``$XDG_CACHE_HOME/qmoe`` (else ``~/.cache/qmoe``, else the temp directory). Each
-compiled kernel gets a native entry (its function, launch facts and one parameter type a
-runtime argument, from the compiled signature); a kernel the C launch does not serve
-(global or profile scratch, clusters, a parameter type it does not pack), a call with a
-Triton launch hook set, or a machine where the build fails takes the Python path.
+hash in ``$XDG_CACHE_HOME/qmoe`` (else ``~/.cache/qmoe``, else ``qmoe-<uid>`` in the temp
+directory; only a directory of this user's that no one else can write). Each compiled
+kernel gets a native entry (its function, launch facts and one parameter type a runtime
+argument, from the compiled signature). The Python path serves what the C launch does
+not: a kernel with global or profile scratch, clusters, instrumentation or a parameter
+type it does not pack; a call with a Triton launch hook, ``knobs.runtime.debug`` or an
+instrumentation mode set, a tensor not on the GPU, or a grid it does not take; ROCm; a
+machine where the build fails.
 ``use_fast(False)`` turns the C launch off (benchmarks, tests); ``fast_status()`` says
 whether it is on and why not.
 """
@@ -53,6 +56,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 
 import torch
 import triton
@@ -67,6 +71,7 @@ _CACHE: dict = {}  # key -> _Compiled, written once per key (compiled kernels, n
 _NATIVE: dict = {}
 _fast = None  # the C launch function once loaded; None before the first CUDA launch or off
 _fast_state = {"on": True, "loaded": False, "error": None}  # set once, by _load_fast
+_BUILD_LOCK = threading.RLock()  # one build and load per process, whatever the threads
 
 
 class _Compiled:
@@ -85,6 +90,13 @@ class _Compiled:
 
 
 _TENSOR = torch.Tensor
+
+
+def _knob_state() -> tuple:
+    """Triton's knobs that change what it compiles for one call (``debug``, an
+    instrumentation mode): part of the Python key; the C launch serves only where both
+    are off."""
+    return knobs.runtime.debug, getattr(knobs.compilation, "instrumentation_mode", None)
 
 
 def _specs(args: tuple) -> tuple:
@@ -129,6 +141,14 @@ def launch(kernel, grid: tuple, *args, **options) -> None:
         launch_python(kernel, grid, args, options, served is False)
 
 
+def python_key(kernel, device: int, args: tuple, options: dict) -> tuple:
+    """The Python path's cache key: the kernel by id (its cache entry keeps it alive), the
+    device, the options with their types (True, 1 and 1.0 compile apart), the knobs that
+    change what Triton compiles, each argument's ``_specs``."""
+    return (id(kernel), device, tuple(options.items()), tuple(map(type, options.values())),
+            _knob_state(), _specs(args))
+
+
 def launch_python(kernel, grid: tuple, args: tuple, options: dict, register=False) -> None:
     """``launch``'s Python path (the C launch off, not built, or not serving this call):
     the cache key, then the compiled launcher; ``register``: give the C launch its entry
@@ -139,12 +159,15 @@ def launch_python(kernel, grid: tuple, args: tuple, options: dict, register=Fals
         kernel[grid](*args, **options)  # (a launch on CPU tensors: a harness's recording)
         return
     device = current_device()
-    key = (kernel, device, tuple(options.items()), _specs(args))
+    key = python_key(kernel, device, args, options)
     c = _CACHE.get(key)
     if c is None:
         if any(p.is_constexpr for p in kernel.params[:len(args)]):
             raise TypeError(f"qmoe launch of {kernel.fn.__name__}: pass tl.constexpr "
                             "parameters as keywords (the cache keys them by value)")
+        if any(isinstance(a, torch.Tensor) and not a.is_cuda for a in args):
+            kernel[grid](*args, **options)  # Triton checks each address; never cached
+            return
         compiled = kernel[grid](*args, **options)
         names = kernel.arg_names[len(args):]
         defaults = {p.name: p.default for p in kernel.params}
@@ -177,38 +200,47 @@ _TYPE_CODES = {"i1": "i", "i32": "i", "i64": "l", "u1": "I", "u32": "I", "u64": 
 
 def native_entry(compiled, kernel, nargs: int):
     """The C launch's entry for ``compiled`` (a ``CompiledKernel`` of ``kernel`` for
-    ``nargs`` runtime arguments): ``(function, num_warps, num_ctas, shared bytes, PDL,
-    cooperative, parameter codes)``, or None where the C launch does not serve it (scratch
-    memory, clusters, oversized shared memory, a parameter type it does not pack, metadata
-    it does not know)."""
+    ``nargs`` runtime arguments given positionally): ``(function, num_warps, num_ctas,
+    shared bytes, PDL, cooperative, parameter codes, compiled)``, or None where the C launch
+    does not serve it: another backend than CUDA, scratch memory, clusters, oversized shared
+    memory, instrumentation, a parameter type it does not pack, a runtime parameter left to
+    its default (the launch packs the given arguments only), metadata it does not know."""
     md = compiled.metadata
     src = getattr(compiled, "src", None)
     sig = getattr(src, "signature", None)
-    if (not isinstance(sig, dict) or getattr(md, "global_scratch_size", 0)
-            or getattr(md, "profile_scratch_size", 0) or getattr(md, "num_ctas", 1) != 1
+    target = getattr(md, "target", None)
+    if (not isinstance(sig, dict) or getattr(target, "backend", None) != "cuda"
+            or getattr(md, "global_scratch_size", 0) or getattr(md, "profile_scratch_size", 0)
+            or getattr(md, "num_ctas", 1) != 1 or getattr(md, "instrumentation_mode", None)
             or not isinstance(getattr(md, "shared", None), int) or md.shared > 228 * 1024):
         return None
     consts = getattr(src, "constants", {}) or {}
     codes = []
-    for i, name in enumerate(kernel.arg_names[:nargs]):
+    for i, name in enumerate(kernel.arg_names):
         t = sig.get(name, sig.get(i))
         if t == "constexpr" or name in consts or (i,) in consts or i in consts:
-            codes.append("-")
+            code = "-"
+        elif i >= nargs:  # a runtime parameter not passed: its default, which C lacks
+            return None
         elif isinstance(t, str) and t.startswith("*"):
-            codes.append("p")
+            code = "p"
         elif t in _TYPE_CODES:
-            codes.append(_TYPE_CODES[t])
+            code = _TYPE_CODES[t]
         else:
             return None
+        if i < nargs:
+            codes.append(code)
     return (compiled.function, md.num_warps, 1, md.shared,
             bool(getattr(md, "launch_pdl", False)),
-            bool(getattr(md, "launch_cooperative_grid", False)), "".join(codes).encode())
+            bool(getattr(md, "launch_cooperative_grid", False)), "".join(codes).encode(),
+            compiled)
 
 
 def _register_fast(c: _Compiled, kernel, device: int, args: tuple, options: dict) -> None:
-    """Give the C launch its entry for this call's key (once per key)."""
+    """Give the C launch its entry for this call's key (once per key), for kernels compiled
+    with Triton's compile-changing knobs off (the C key does not hold them)."""
     mod = _fast_state.get("module")
-    if not _fast_state["loaded"] or not _fast_state["on"]:
+    if not _fast_state["loaded"] or not _fast_state["on"] or any(_knob_state()):
         return
     k = mod.key(kernel, device, args, options, True)
     if k is not None and k not in _NATIVE:
@@ -216,9 +248,11 @@ def _register_fast(c: _Compiled, kernel, device: int, args: tuple, options: dict
 
 
 def use_fast(on: bool) -> None:
-    """Turn the C launch on (built at the next CUDA launch if it is not yet) or off."""
+    """Turn the C launch on (built now where CUDA is available and it is not yet) or off."""
     global _fast
     _fast_state["on"] = bool(on)
+    if on and not _fast_state["loaded"] and torch.cuda.is_available():
+        _load_fast()
     _fast = _fast_state["module"].launch if on and _fast_state["loaded"] else None
 
 
@@ -228,29 +262,44 @@ def fast_status() -> dict:
     return {k: _fast_state[k] for k in ("on", "loaded", "error")}
 
 
+def _private_dir(d: str) -> bool:
+    """Whether ``d`` is (made, if missing, as) a directory of this user's that no one else
+    can write: a shared machine's other users must not place a library this process loads."""
+    try:
+        os.makedirs(d, mode=0o700, exist_ok=True)
+        st = os.stat(d)
+    except OSError:
+        return False
+    import stat
+
+    return (stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid()
+            and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and os.access(d, os.W_OK))
+
+
 def _cache_dir() -> str:
     """Where the built C launch is kept: ``$XDG_CACHE_HOME/qmoe``, else ``~/.cache/qmoe``,
-    else a per-user directory under the temp directory (the first one writable)."""
+    else ``qmoe-<uid>`` under the temp directory: the first that is this user's alone."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     for d in (os.path.join(base, "qmoe"),
               os.path.join(tempfile.gettempdir(), f"qmoe-{os.getuid()}")):
-        try:
-            os.makedirs(d, exist_ok=True)
-        except OSError:
-            continue
-        if os.access(d, os.W_OK):
+        if _private_dir(d):
             return d
-    raise OSError("no writable cache directory for the C launch")
+    raise OSError("no private writable cache directory for the C launch")
 
 
 def build_fast():
     """``qmoe._fastlaunch``, built (or found by source hash) and imported once per process,
-    initialized with torch's tensor type, its current-stream call and Triton's runtime
-    knobs (the launch hooks). Raises where there is no C compiler, no ``cuda.h`` or the
-    build fails."""
-    mod = _fast_state.get("module")
-    if mod is not None:
+    initialized with torch's tensor type, its current-stream call, Triton's runtime and
+    compilation knobs and the CUDA driver library. Raises where there is no C compiler, no
+    ``cuda.h`` or the build fails."""
+    with _BUILD_LOCK:
+        mod = _fast_state.get("module")
+        if mod is None:
+            mod = _fast_state["module"] = _build_fast()
         return mod
+
+
+def _build_fast():
     import importlib.util
 
     here = os.path.dirname(os.path.abspath(__file__))
@@ -265,25 +314,31 @@ def build_fast():
         raise OSError(f"no cuda.h at {cuda_h} (Triton's NVIDIA backend)")
     with open(cuda_h, "rb") as f:
         tag = hashlib.sha256(code + f.read() + suffix.encode() + sys.version.encode())
-    path = os.path.join(_cache_dir(), f"_fastlaunch_{tag.hexdigest()[:16]}{suffix}")
+    cache = _cache_dir()
+    path = os.path.join(cache, f"_fastlaunch_{tag.hexdigest()[:16]}{suffix}")
     if not os.path.exists(path):
         cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
         if cc is None:
             raise OSError("no C compiler (cc, gcc or $CC) to build the C launch")
-        tmp = f"{path}.{os.getpid()}.tmp"
-        cmd = [cc, "-O2", "-shared", "-fPIC", "-o", tmp, src, f"-I{py_inc}", f"-I{cuda_inc}",
-               "-ldl"]
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        if r.returncode != 0:
-            raise OSError(f"building the C launch failed: {' '.join(cmd)}\n{r.stderr[-2000:]}")
-        os.replace(tmp, path)  # atomic: a process beside this one sees all of it or none
+        fd, tmp = tempfile.mkstemp(dir=cache, prefix="_fastlaunch_", suffix=".tmp")
+        os.close(fd)
+        try:
+            cmd = [cc, "-O2", "-shared", "-fPIC", "-o", tmp, src, f"-I{py_inc}",
+                   f"-I{cuda_inc}", "-ldl"]
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            if r.returncode != 0:
+                raise OSError(f"building the C launch failed: {' '.join(cmd)}\n"
+                              f"{r.stderr[-2000:]}")
+            os.replace(tmp, path)  # atomic: another process sees all of it or none
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
     spec = importlib.util.spec_from_file_location("qmoe._fastlaunch", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
         lambda d: torch.cuda.current_stream(d).cuda_stream)  # (as Triton's driver takes it)
-    mod.init(torch.Tensor, stream, knobs.runtime)
-    _fast_state["module"] = mod
+    mod.init(torch.Tensor, stream, knobs.runtime, knobs.compilation, "libcuda.so.1")
     return mod
 
 
@@ -291,12 +346,16 @@ def _load_fast() -> None:
     """Build and load the C launch once per process (at the first CUDA launch, while it is
     on); a failure is kept in ``fast_status()`` and launches stay on the Python path."""
     global _fast
-    if _fast_state["loaded"] or _fast_state["error"] is not None or not _fast_state["on"]:
-        return
-    try:
-        mod = build_fast()
-    except Exception as e:  # (no compiler, no cuda.h, a failed build: the Python path)
-        _fast_state["error"] = f"{type(e).__name__}: {e}"
-        return
-    _fast_state["loaded"] = True
-    _fast = mod.launch
+    with _BUILD_LOCK:
+        if _fast_state["loaded"] or _fast_state["error"] is not None or not _fast_state["on"]:
+            return
+        if torch.version.hip is not None:
+            _fast_state["error"] = "ROCm: the C launch serves NVIDIA GPUs only"
+            return
+        try:
+            build_fast()
+        except Exception as e:  # (no compiler, no cuda.h, a failed build: the Python path)
+            _fast_state["error"] = f"{type(e).__name__}: {e}"
+            return
+        _fast_state["loaded"] = True
+        _fast = _fast_state["module"].launch

@@ -7,6 +7,7 @@ parameters are packed as Triton packs them, its entries come from the compiled s
 (all checked on CPU), and on CUDA it gives what Triton's launch gives."""
 
 import os
+import struct
 
 import pytest
 import torch
@@ -133,6 +134,18 @@ def _fast_module():
         pytest.skip(f"the C launch does not build here: {e}")
 
 
+class _FakeCuda(torch.Tensor):
+    """A CPU tensor that says it is on the GPU (the C launch reads ``is_cuda``)."""
+
+    @property
+    def is_cuda(self):
+        return True
+
+    @staticmethod
+    def of(t):
+        return t.as_subclass(_FakeCuda)
+
+
 _POOL = [None, True, False, 0, 1, 2, 16, 17, 33, -1, -16, 2**31 - 1, 2**31, 2**31 + 16,
          -(2**31) - 1, 2**63, 2**63 + 1, 2**64 - 16, 0.5, 1.0]
 
@@ -175,9 +188,18 @@ def test_c_key_is_at_least_as_fine_as_triton_specialization():
     assert one != m.key("other", 0, (base, 1, None), opts, False)
     assert one != m.key("kernel", 0, (base, 1, None), {**opts, "BLOCK": 128}, False)
     assert one != m.key("kernel", 0, (base, None, 1), opts, False)
+    # option values compare equal across types (True == 1 == 1.0) but compile apart
+    assert m.key("kernel", 0, (base,), {"A": True}, False) != m.key(
+        "kernel", 0, (base,), {"A": 1}, False)
+    assert m.key("kernel", 0, (base,), {"A": 1}, False) != m.key(
+        "kernel", 0, (base,), {"A": 1.0}, False)
     assert m.key("kernel", 0, (base, 2**64), opts, False) is None  # past 64 bits: Python
     assert m.key("kernel", 0, (base, "s"), opts, False) is None
-    assert m.key("kernel", 0, (base,), opts, True) is None  # a CPU first argument
+    # a tensor not on the GPU anywhere: no key (Triton's own launch checks its address)
+    assert m.key("kernel", 0, (base,), opts, True) is None
+    assert m.key("kernel", 0, (_FakeCuda.of(base), base), opts, True) is None
+    assert m.key("kernel", 0, (_FakeCuda.of(base), 3), opts, True) is not None
+    assert m.key("kernel", 0, (3, _FakeCuda.of(base)), opts, True) is None  # first: a tensor
 
 
 def test_c_launch_packs_each_parameter_as_triton_does():
@@ -187,18 +209,21 @@ def test_c_launch_packs_each_parameter_as_triton_does():
     x = torch.zeros(4)
     slots = m.pack_params(b"pilLfi-bh", (x, -3, 2**40 + 5, 2**63 + 7, 1.5, True, None, -2, 300))
     le = lambda v, n: v.to_bytes(n, "little", signed=v < 0).ljust(8, b"\0")
-    import struct
-
     assert slots == [le(x.data_ptr(), 8), le(-3, 4), le(2**40 + 5, 8), le(2**63 + 7, 8),
                      struct.pack("<f", 1.5).ljust(8, b"\0"), le(1, 4), le(-2, 1), le(300, 2)]
     with pytest.raises(ValueError, match="one type per argument"):
         m.pack_params(b"pi", (x,))
 
 
+class _Target:
+    backend = "cuda"
+
+
 class _Meta:
     num_warps, num_ctas, shared = 4, 1, 1024
     global_scratch_size = profile_scratch_size = 0
     launch_pdl, launch_cooperative_grid = True, False
+    target = _Target()
 
 
 class _Src:
@@ -219,15 +244,21 @@ class _CompiledStub:
 def test_native_entry_from_the_compiled_signature():
     sig = {"x_ptr": "*bf16", "y_ptr": "constexpr", "out_ptr": "*fp32", "n": "i32",
            "step": "i64", "a": "fp32", "flag": "i1", "HAS_Y": "constexpr", "BLOCK": "constexpr"}
-    e = _triton.native_entry(_CompiledStub(sig), _axpy_kernel, 7)
-    assert e == (1234, 4, 1, 1024, True, False, b"p-pilfi")
+    stub = _CompiledStub(sig)
+    e = _triton.native_entry(stub, _axpy_kernel, 7)
+    assert e == (1234, 4, 1, 1024, True, False, b"p-pilfi", stub)  # (keeps the kernel alive)
     # an int Triton made a constant (== 1) is not a parameter either
     e = _triton.native_entry(_CompiledStub({**sig, "step": "i32"}, {(4,): 1}), _axpy_kernel, 7)
     assert e[6] == b"p-pi-fi"
+    class Hip:
+        backend = "hip"
+
     for bad in (dict(global_scratch_size=8), dict(profile_scratch_size=8), dict(num_ctas=2),
-                dict(shared=300 * 1024)):
+                dict(shared=300 * 1024), dict(target=Hip()), dict(instrumentation_mode="fpsan")):
         assert _triton.native_entry(_CompiledStub(sig, **bad), _axpy_kernel, 7) is None
     assert _triton.native_entry(_CompiledStub({**sig, "a": "bf16"}), _axpy_kernel, 7) is None
+    # a runtime parameter left to its default (not passed): the C launch would not pack it
+    assert _triton.native_entry(_CompiledStub(sig), _axpy_kernel, 6) is None
 
 
 @pytest.mark.skipif(DEV != "cuda", reason="the C launch serves CUDA launches")
@@ -292,3 +323,129 @@ def test_cache_dir_falls_back_where_the_first_is_not_writable(monkeypatch, tmp_p
     monkeypatch.setattr(_triton.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
     d = _triton._cache_dir()
     assert d.startswith(str(tmp_path / "tmp")) and os.access(d, os.W_OK)
+
+
+_FAKE_DRIVER = r"""
+#include <cuda.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+static int ctx = 0;
+CUresult cuCtxGetCurrent(CUcontext *c) {
+  *c = ctx ? (CUcontext)0x1 : NULL;
+  return CUDA_SUCCESS;
+}
+CUresult cuCtxSetCurrent(CUcontext c) {
+  ctx = 1;
+  printf("ctx %p\n", (void *)c);
+  return CUDA_SUCCESS;
+}
+CUresult cuDevicePrimaryCtxRetain(CUcontext *c, CUdevice d) {
+  *c = (CUcontext)(0x100 + (long)d);
+  return CUDA_SUCCESS;
+}
+CUresult cuDeviceGet(CUdevice *d, int o) { *d = o; return CUDA_SUCCESS; }
+CUresult cuGetErrorString(CUresult r, const char **s) { *s = "stand-in"; return CUDA_SUCCESS; }
+CUresult cuLaunchKernelEx(const CUlaunchConfig *c, CUfunction f, void **p, void **e) {
+  int n = atoi(getenv("QMOE_FAKE_NP"));
+  printf("launch %p %u %u %u %u %u %u %u %p %u", (void *)f, c->gridDimX, c->gridDimY,
+         c->gridDimZ, c->blockDimX, c->blockDimY, c->blockDimZ, c->sharedMemBytes,
+         (void *)c->hStream, c->numAttrs);
+  for (unsigned i = 0; i < c->numAttrs; i++) printf(" a%d", (int)c->attrs[i].id);
+  for (int i = 0; i < n; i++) { unsigned long long v; memcpy(&v, p[i], 8); printf(" %llx", v); }
+  printf("\n");
+  fflush(stdout);
+  return getenv("QMOE_FAKE_FAIL") ? CUDA_ERROR_INVALID_VALUE : CUDA_SUCCESS;
+}
+"""
+
+_FAKE_CHILD = r"""
+import os, sys, torch
+from triton import knobs
+from qmoe import _triton
+from tests.test_triton_launch import _FakeCuda
+m = _triton.build_fast()
+m.init(torch.Tensor, lambda d: 0xABC0 + d, knobs.runtime, knobs.compilation, sys.argv[1])
+x = _FakeCuda.of(torch.zeros(64))
+y = _FakeCuda.of(torch.zeros(64, dtype=torch.bfloat16)[3:])
+kernel, table, opts = object(), {}, {"BLOCK": 64}
+args = (x, y, 5, 2**40, 1.5, True, None)
+def go(grid, a=args, o=opts):
+    r = m.launch(table, kernel, grid, a, o, 1)
+    print("result", r)
+    sys.stdout.flush()
+go((3, 2))  # no entry yet: False
+table[m.key(kernel, 1, args, opts, True)] = (0x1234, 4, 1, 2048, True, False, b"ppilfi-", None)
+os.environ["QMOE_FAKE_NP"] = "8"
+go((3, 2))  # launched
+go((7,))  # the context is current now: launched without setting it again
+go((0, 5))  # nothing to launch, as Triton: True without a launch
+go(())  # a grid it does not take: None
+go((2**31,))
+go((1, 65536))
+go((3,), o={"BLOCK": 64.0})  # another option type: another key, no entry: False
+hook = lambda *a: None
+knobs.runtime.launch_enter_hook.add(hook)
+go((3,))  # a launch hook: None
+knobs.runtime.launch_enter_hook.remove(hook)
+knobs.runtime.debug = True
+go((3,))  # Triton's debug knob: None
+knobs.runtime.debug = False
+os.environ["QMOE_FAKE_FAIL"] = "1"
+try:
+    go((3,))
+except RuntimeError as e:
+    print("error", e)
+"""
+
+
+def test_c_launch_through_a_recording_driver(tmp_path):
+    """The whole C launch on CPU, with a stand-in for libcuda that prints what it is given:
+    the grid, block, shared memory, current stream and PDL attribute from the entry, each
+    parameter's slot (then the two null scratch pointers), the context made current once,
+    the calls it stands aside from (no entry, a grid it does not take, another option type,
+    a launch hook, Triton's debug knob) and a driver error raised by name."""
+    import subprocess
+    import sys
+
+    m = _fast_module()
+    del m
+    cuda_inc = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "include")
+    src = tmp_path / "fake.c"
+    src.write_text(_FAKE_DRIVER)
+    lib = tmp_path / "libfakecuda.so"
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(lib), str(src), f"-I{cuda_inc}"],
+                   check=True)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("QMOE_FAKE_FAIL", None)
+    out = subprocess.run([sys.executable, "-c", _FAKE_CHILD, str(lib)], env=env, cwd=root,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    launches = [ln.split() for ln in lines if ln.startswith("launch")]
+    results = [ln.split(" ", 1)[1] for ln in lines if ln.startswith("result")]
+    assert results == ["False", "True", "True", "True", "None", "None", "None", "False",
+                       "None", "None"], lines
+    assert [ln for ln in lines if ln.startswith("ctx")] == ["ctx 0x101"], lines  # device 1
+    pdl = str(int(_cuda_attr("CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION", cuda_inc)))
+    for ln, grid in zip(launches, ((3, 2, 1), (7, 1, 1), (3, 1, 1))):
+        f, gx, gy, gz, bx, by, bz, smem, stream, nattr, attr, *slots = ln[1:]
+        assert (int(f, 16), (int(gx), int(gy), int(gz))) == (0x1234, grid)
+        assert (int(bx), int(by), int(bz), int(smem)) == (128, 1, 1, 2048)
+        assert (int(stream, 16), nattr, attr) == (0xABC1, "1", "a" + pdl)
+        x_ptr, y_ptr = int(slots[0], 16), int(slots[1], 16)
+        assert y_ptr % 16 == 6 and x_ptr % 16 == 0  # bf16 view at element 3
+        assert [int(v, 16) for v in slots[2:]] == [
+            5, 2**40, int.from_bytes(struct.pack("<f", 1.5), "little"), 1, 0, 0]
+    assert len(launches) == 3  # the last: the stand-in's error, raised below
+    assert "error qmoe._fastlaunch: cuLaunchKernelEx failed: stand-in" in out.stdout
+
+
+def _cuda_attr(name: str, cuda_inc: str) -> int:
+    """The value of enum member ``name`` in Triton's bundled cuda.h."""
+    import re
+
+    with open(os.path.join(cuda_inc, "cuda.h")) as f:
+        text = f.read()
+    return int(re.search(rf"\b{name}\s*=\s*(\d+)", text).group(1))
