@@ -20,6 +20,8 @@ unset TRITON_INTERPRET
 {
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
+  # qmoe._triton's C launch: built here (where CUDA is) and whether it serves the launches
+  python3 -c "from qmoe import _triton as t; t.use_fast(True); print('C launch', t.fast_status())"
 } 2>&1 | tee "$OUT/env.txt"
 # torchao for the interop tests: the GPU machine has no network, so carry a wheel
 # (pip download --no-deps "torchao>=0.18,<0.19" -d wheels/; run with carry=["wheels"]).
