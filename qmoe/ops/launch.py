@@ -6,9 +6,9 @@ state; the op modules and ``qmoe.ops.kernels`` import them from here."""
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
+from triton import knobs
 
 #: Index-map ids must be below this (the maps key experts on int32, with this value as the
 #: "unrouted" sentinel); checked by the public ops for every id dtype, and by the one-launch
@@ -60,7 +60,7 @@ def pdl_default(x: torch.Tensor) -> bool:
     >= 3.4) and a CUDA of at least 12.3 (programmatic edges in captured CUDA graphs); never
     on ROCm (which reports other capabilities through the same call) or under the
     interpreter."""
-    if not x.is_cuda or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):  # per call
+    if not x.is_cuda or knobs.runtime.interpret:  # (Triton's knob: read per call, cheaply)
         return False
     return _device_has_pdl(x.get_device())
 

@@ -40,6 +40,9 @@ from qmoe.ops.tuning import (
     tail_programs,
 )
 
+#: no overrides: the defaults (frozen, so one instance serves every call)
+_DEFAULTS = PermuteIndexTiling()
+
 
 @triton.jit
 def permute_index_kernel(
@@ -151,7 +154,7 @@ def permute_index_triton(
     alike: as ``make_row_id_map(ids, N, True, 1)`` then the scatter, bit for bit. ``tiling``
     overrides the count block, warps and PDL (``PermuteIndexTiling``); ``out`` (tests:
     poisoned) receives the rows. Three launches, no host sync."""
-    o = tiling or PermuteIndexTiling()
+    o = tiling or _DEFAULTS
     t, h = x.shape
     k = ids.shape[1]
     e = num_experts

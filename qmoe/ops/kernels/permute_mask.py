@@ -49,6 +49,9 @@ from qmoe.ops.tuning import (
     tail_programs,
 )
 
+#: no overrides: the defaults (frozen, so one instance serves every call)
+_DEFAULTS = FusedMaskTiling()
+
 
 @triton.jit
 def permute_mask_kernel(
@@ -226,7 +229,7 @@ def permute_mask_triton(
     fused kernel; one launch for masks of at most ``SMALL_MAP_BYTES``. ``tiling``
     overrides the defaults (``FusedMaskTiling``); ``out`` (tests: poisoned) receives the
     rows. No host sync."""
-    o = tiling or FusedMaskTiling()
+    o = tiling or _DEFAULTS
     t, h = x.shape
     e = mask.shape[1]
     out, pp, so, rid = outputs = fused_outputs(x, mask, n, probs, side, out)

@@ -72,6 +72,9 @@ from qmoe.tensors.layouts import EPS, SCALE_MODES, emax_elem, fp8_fields, scale_
 from qmoe.tensors.recipes import fp8_max
 from qmoe.tensors.tuning import PER_TENSOR_BLOCK
 
+#: no overrides: the defaults (frozen, so one instance serves every call)
+_DEFAULTS = QuantizePermuteTiling()
+
 
 @triton.jit
 def quantize_permute_kernel(
@@ -347,7 +350,7 @@ def quantize_permute_triton(x, rid, probs, n, block_size, fp8_dtype, scale_mode,
     overrides ``tile``, ``steps``, ``kb`` and ``num_warps`` (``QuantizePermuteTiling``).
     ``poison`` (tests) fills the outputs with 0xFF bytes first, so a row the kernel misses
     shows. No host sync."""
-    o = tiling or QuantizePermuteTiling()
+    o = tiling or _DEFAULTS
     t, h = x.shape
     q, s_out, pp, bs, nb = _outputs(x, n, block_size, fp8_dtype, scale_mode, scale, probs,
                                     poison)
@@ -386,7 +389,7 @@ def quantize_permute_mask_triton(x, mask, n, align_size, probs, block_size, fp8_
     ``FusedMaskTiling`` for the map's launches; ``tile`` defaults to ``MASK_QUANT_TILE`` at
     every H (a token's map work is done once a program, so splitting a row over programs
     repeats it), ``steps`` to ``MASK_QUANT_STEPS``. No host sync."""
-    o = tiling or QuantizePermuteTiling()
+    o = tiling or _DEFAULTS
     t, h = x.shape
     e = mask.shape[1]
     if 0 in (t, h, e):

@@ -47,6 +47,9 @@ from qmoe.ops.tuning import (
     small_mask,
 )
 
+#: no overrides: the defaults (frozen, so one instance serves every call)
+_DEFAULTS = MaskMapTiling()
+
 
 @triton.jit
 def mask_row(mask_ptr, t, T, E, stride_t, cols):
@@ -405,7 +408,7 @@ def mask_rows_triton(
         rid[:, -1] = 0
         fill.zero_()[-1, 1] = num_out_tokens
         return rid
-    o = tiling or MaskMapTiling()
+    o = tiling or _DEFAULTS
     d = map_tiling(t, e)
     bt, nw, pf = (d_ if v is None else v for v, d_ in
                   ((o.block_t, d.block_t), (o.num_warps, d.num_warps), (o.prefetch, d.prefetch)))

@@ -30,6 +30,9 @@ from qmoe.ops.tuning import (
     sort_chunks_tile,
 )
 
+#: no overrides: the defaults (frozen, so one instance serves every call)
+_DEFAULTS = SortChunksTiling()
+
 
 @triton.jit
 def chunk_table(sizes_ptr, index_ptr, C, INVERSE: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -226,7 +229,7 @@ def sort_chunks_triton(
     sort_chunks --fp8`` (docs/benchmarks.md, "FP8 rows: int32 words, the scan cut, side
     rows"), % of copy, words against bytes: dsv3 blockwise 90.4 vs 72.2, qwen3next MX side
     rows 88.7 vs 73.6. ``out`` (tests: poisoned) receives the rows."""
-    o = tiling or SortChunksTiling()
+    o = tiling or _DEFAULTS
     t, h = inp.shape
     c = split_sizes.numel()
     if (side is None) != (side_out is None):

@@ -37,6 +37,9 @@ from qmoe.tensors import layouts
 from qmoe.tensors.kernels.quantize import fp8_bits_to_fp32
 from qmoe.tensors.layouts import fp8_fields
 
+#: no overrides: the defaults (frozen, so one instance serves every call)
+_DEFAULTS = MergeBackwardTiling()
+
 # The scale layouts (``LAYOUT``) the FP8 merge compares against, as compile-time constants.
 FP8_PER_TENSOR = tl.constexpr(layouts.FP8_PER_TENSOR)
 FP8_BLOCK_FP32 = tl.constexpr(layouts.FP8_BLOCK_FP32)
@@ -464,7 +467,7 @@ def merge_backward_triton(
     if t == 0:
         return gi.zero_(), gw
     merging_probs, row_id_map = unit_stride(merging_probs), row_id_map.contiguous()
-    o = tiling or MergeBackwardTiling()
+    o = tiling or _DEFAULTS
     kb, bh, nw = merge_backward_tile(h, p)
     flags = gi.numel() * gi.element_size() > MERGE_BACKWARD_FILL_BYTES
     written = torch.zeros(n, dtype=torch.int8, device=grad_out.device) if flags else None
