@@ -7,8 +7,11 @@ then builds launch metadata (``python -m benchmarks profile small``: an empty ke
 arguments costs tens of microseconds, most of a small eager MoE call). ``launch`` keys its
 own cache by what decides Triton's choice of compiled kernel, computed cheaply:
 
-* the kernel, the current device and the launch options (``num_warps``, the kernel's
-  compile-time constants, ``debug``, ``launch_pdl``, ...), all passed as keywords;
+* the kernel (by id: its cache entry keeps it alive), the current device, the launch
+  options (``num_warps``, the kernel's compile-time constants, ``debug``, ``launch_pdl``,
+  ...), all passed as keywords, with their types (True, 1 and 1.0 compile apart), and
+  Triton's knobs that change what it compiles (``knobs.runtime.debug``, an
+  instrumentation mode);
 * per positional argument the same facts Triton specializes on: a tensor's dtype and
   whether its address is 16-byte aligned (and that it is on the GPU); an int's width and
   whether it equals 1 or is a multiple of 16; a bool's value; for floats only their type;
@@ -26,7 +29,9 @@ takes Triton's path.
 
 Call shape: runtime arguments positionally, in the kernel's parameter order, then its
 ``tl.constexpr`` parameters and the launch options as keywords. The cache serves kernels
-whose first argument is a CUDA tensor (all of qmoe's); anything else takes Triton's path.
+whose first argument is a CUDA tensor (all of qmoe's); anything else takes Triton's path,
+as does a call with a tensor off the GPU in any position (never cached: Triton checks each
+address).
 
 **The C launch** (``_fastlaunch.c``). After the first CUDA launch of the process, the hit
 path above runs in C: the key (the same facts, read through the arguments' attributes),
