@@ -165,7 +165,7 @@ static PyObject *make_key(PyObject *kernel, PyObject *device, PyObject *args,
     } else if (PyBool_Check(a)) {
       if (need_cuda && i == 0) goto none;
       code = 200 + (a == Py_True);
-      if (vals) vals[i].bits = (a == Py_True);
+      if (vals) vals[i].bits = (a == Py_True), vals[i].f = (a == Py_True);
     } else if (PyLong_CheckExact(a)) {
       if (need_cuda && i == 0) goto none;
       int overflow = 0;
@@ -178,13 +178,13 @@ static PyObject *make_key(PyObject *kernel, PyObject *device, PyObject *args,
           goto none;
         }
         code = 64 + (long)(u & 15);
-        if (vals) vals[i].bits = u;
+        if (vals) vals[i].bits = u, vals[i].f = (double)u;
       } else if (overflow < 0) {
         goto none;
       } else {
         if (v >= -2147483648LL && v < 2147483648LL) code = v == 1 ? 16 : (long)(v & 15);
         else code = 32 + (long)(v & 15);
-        if (vals) vals[i].bits = (uint64_t)v;
+        if (vals) vals[i].bits = (uint64_t)v, vals[i].f = (double)v;
       }
     } else if (PyFloat_CheckExact(a)) {
       if (need_cuda && i == 0) goto none;
@@ -304,7 +304,7 @@ static int pack(char t, const ArgValue *v, uint64_t *s) {
     case 'i': case 'I': { uint32_t x = (uint32_t)v->bits; memcpy(s, &x, 4); return 1; }
     case 'h': case 'H': { uint16_t x = (uint16_t)v->bits; memcpy(s, &x, 2); return 1; }
     case 'b': case 'B': { uint8_t x = (uint8_t)v->bits; memcpy(s, &x, 1); return 1; }
-    case 'f': { float x = (float)v->f; memcpy(s, &x, 4); return 1; }  /* (floats only) */
+    case 'f': { float x = (float)v->f; memcpy(s, &x, 4); return 1; }  /* (ints converted) */
     case 'd': { memcpy(s, &v->f, 8); return 1; }
     default:
       PyErr_Format(PyExc_RuntimeError, "qmoe._fastlaunch: unknown parameter code %c", t);

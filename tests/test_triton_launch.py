@@ -211,6 +211,9 @@ def test_c_launch_packs_each_parameter_as_triton_does():
     le = lambda v, n: v.to_bytes(n, "little", signed=v < 0).ljust(8, b"\0")
     assert slots == [le(x.data_ptr(), 8), le(-3, 4), le(2**40 + 5, 8), le(2**63 + 7, 8),
                      struct.pack("<f", 1.5).ljust(8, b"\0"), le(1, 4), le(-2, 1), le(300, 2)]
+    # an int given for an annotated float parameter is converted, as Triton's launcher does
+    assert m.pack_params(b"fd", (3, 2**63 + 2048)) == [
+        struct.pack("<f", 3.0).ljust(8, b"\0"), struct.pack("<d", float(2**63 + 2048))]
     with pytest.raises(ValueError, match="one type per argument"):
         m.pack_params(b"pi", (x,))
 
