@@ -254,11 +254,17 @@ def _register_fast(c: _Compiled, kernel, device: int, args: tuple, options: dict
 
 def use_fast(on: bool) -> None:
     """Turn the C launch on (built now where CUDA is available and it is not yet) or off."""
-    global _fast
     _fast_state["on"] = bool(on)
     if on and not _fast_state["loaded"] and torch.cuda.is_available():
         _load_fast()
-    _fast = _fast_state["module"].launch if on and _fast_state["loaded"] else None
+    _refresh_fast()
+
+
+def _refresh_fast() -> None:
+    """``_fast`` from ``_fast_state``: the loaded module's launch while on, else None (one
+    global read on every launch, where the state dict would take three)."""
+    global _fast
+    _fast = _fast_state["module"].launch if _fast_state["on"] and _fast_state["loaded"] else None
 
 
 def fast_status() -> dict:
@@ -350,7 +356,6 @@ def _build_fast():
 def _load_fast() -> None:
     """Build and load the C launch once per process (at the first CUDA launch, while it is
     on); a failure is kept in ``fast_status()`` and launches stay on the Python path."""
-    global _fast
     with _BUILD_LOCK:
         if _fast_state["loaded"] or _fast_state["error"] is not None or not _fast_state["on"]:
             return
@@ -363,4 +368,4 @@ def _load_fast() -> None:
             _fast_state["error"] = f"{type(e).__name__}: {e}"
             return
         _fast_state["loaded"] = True
-        _fast = _fast_state["module"].launch
+        _refresh_fast()
